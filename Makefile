@@ -1,0 +1,34 @@
+# Two commands for a fresh machine:
+#   make demo   - runs the main job on packaged default data
+#   make test   - lint, format check and the test suite
+# Each creates .venv and installs what it needs (torch pinned by constraints.txt).
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip install --quiet -c constraints.txt
+
+.PHONY: demo test lint bench-accounting clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/dptrain demo --out runs/demo
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench-accounting: $(VENV)/.installed
+	$(BIN)/python benchmarks/bench_calibration.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

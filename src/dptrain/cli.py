@@ -1,0 +1,468 @@
+"""The ``dptrain`` command line.
+
+    dptrain epsilon         epsilon of (q, sigma, steps) under pld / rdp / gdp
+    dptrain calibrate       noise multiplier for a target (epsilon, delta)
+    dptrain calibrate-dpfp  DP-FP Algorithm 1 noise, with every accountant's epsilon
+    dptrain search-cost     privacy cost of a hyperparameter search
+    dptrain demo            the accounting demo (table + plot)
+
+Human output is a small aligned table; ``--json`` prints JSON lines. Bad
+arguments print an error naming the argument to stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from dptrain._table import format_table
+from dptrain.accounting import (
+    ACCOUNTANTS,
+    PrivacyLedger,
+    calibrate_dpfp,
+    calibrate_noise,
+    composition_of_ledger,
+    effective_noise_multiplier,
+    epsilon_of_schedule,
+    make_accountant,
+    optimal_composition,
+    repeat_and_select,
+    sample_rate_from_batch,
+    search_cost_gupta,
+    steps_from_epochs,
+)
+from dptrain.accounting.noise import averaged_gradient_noise_std
+
+__all__ = ["build_parser", "main"]
+
+_GDP_LABEL = "approximate (GDP CLT, may understate epsilon)"
+
+
+class CliError(ValueError):
+    """A bad command-line argument (exit code 2)."""
+
+
+# -- argument groups shared by the subcommands ---------------------------------------
+
+
+def _add_rate_arguments(p: argparse.ArgumentParser, *, schedule: bool) -> None:
+    g = p.add_argument_group("sampling (one of)")
+    g.add_argument("--sample-rate", type=float, help="Poisson sampling rate q in (0, 1]")
+    g.add_argument("--batch-size", type=int, help="expected batch size B (with --dataset-size)")
+    g.add_argument("--dataset-size", type=int, help="number of records N")
+    if schedule:
+        g.add_argument(
+            "--schedule",
+            help="segments Q:STEPS[:SIGMA],... e.g. 0.004:1000,0.016:500 (rates; a growing batch)",
+        )
+        g.add_argument(
+            "--batch-schedule",
+            help="segments B:STEPS[:SIGMA],... of expected batch sizes (with --dataset-size)",
+        )
+    s = p.add_argument_group("length (one of)")
+    s.add_argument("--steps", type=int, help="number of private steps T")
+    s.add_argument("--epochs", type=float, help="epochs E: T = floor(E / q)")
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``dptrain`` command (subcommands included)."""
+    parser = argparse.ArgumentParser(
+        prog="dptrain",
+        description="Differentially private training of Transformers: privacy accounting tools.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("epsilon", help="epsilon of a run under pld / rdp / gdp")
+    _add_rate_arguments(p, schedule=True)
+    p.add_argument("--noise-multiplier", type=float, help="sigma (noise std / clipping norm)")
+    p.add_argument("--delta", type=float, required=True)
+    p.add_argument("--accountant", choices=[*ACCOUNTANTS, "all"], default="all")
+    p.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="C, for the averaged-gradient noise std"
+    )
+    _add_json(p)
+
+    p = sub.add_parser("calibrate", help="noise multiplier for a target (epsilon, delta)")
+    p.add_argument("--epsilon", type=float, required=True, help="target epsilon")
+    p.add_argument("--delta", type=float, required=True)
+    _add_rate_arguments(p, schedule=True)
+    p.add_argument("--accountant", choices=[*ACCOUNTANTS, "all"], default="pld")
+    p.add_argument("--rtol", type=float, default=0.01, help="relative tolerance on sigma")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    _add_json(p)
+
+    p = sub.add_parser("calibrate-dpfp", help="DP-FP (Algorithm 1) noise for a target")
+    p.add_argument("--epsilon", type=float, required=True, help="target epsilon")
+    p.add_argument("--delta", type=float, required=True)
+    p.add_argument("--dataset-size", type=int, required=True, help="N")
+    p.add_argument("--batch-size", type=int, required=True, help="B: expected examples per step")
+    p.add_argument("--micro-batches", type=int, required=True, help="M micro-batches per step")
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--epochs", type=float, help="T = floor(E N / B)")
+    length.add_argument("--steps", type=int, help="T")
+    p.add_argument("--clip", type=float, required=True, help="C: clipping norm of h(x)")
+    p.add_argument(
+        "--accountant",
+        choices=list(ACCOUNTANTS),
+        default="pld",
+        help="pld (default); gdp reproduces the paper (approximate)",
+    )
+    _add_json(p)
+
+    p = sub.add_parser("search-cost", help="privacy cost of a hyperparameter search")
+    p.add_argument("--trials", type=int, required=True, help="K settings tried")
+    p.add_argument("--epsilon", type=float, help="per-trial epsilon (with --delta)")
+    p.add_argument("--delta", type=float, required=True, help="per-trial / reporting delta")
+    p.add_argument("--total-delta", type=float, help="delta of the search (composition route)")
+    p.add_argument("--validation-size", type=int, help="for the gupta route's accuracy bound")
+    _add_rate_arguments(p, schedule=False)
+    p.add_argument(
+        "--noise-multiplier", type=float, help="with a sampling spec: each trial's ledger"
+    )
+    _add_json(p)
+
+    p = sub.add_parser("demo", help="the accounting demo: tables and a plot")
+    p.add_argument("--out", default="runs/demo", help="folder for the plot and JSON")
+    return parser
+
+
+# -- resolving the sampling arguments ------------------------------------------------
+
+
+def _parse_segments(text: str, flag: str) -> list[tuple[float, int, float | None]]:
+    segments = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        try:
+            if len(parts) not in (2, 3):
+                raise ValueError
+            first, steps = float(parts[0]), int(parts[1])
+            sigma = float(parts[2]) if len(parts) == 3 else None
+        except ValueError:
+            raise CliError(
+                f"{flag}={text!r}: segment {item!r} is not of the form X:STEPS or X:STEPS:SIGMA"
+            ) from None
+        segments.append((first, steps, sigma))
+    return segments
+
+
+def _single_rate(args: argparse.Namespace) -> tuple[float, int | None]:
+    """(q, B) from --sample-rate or --batch-size/--dataset-size."""
+    if args.sample_rate is not None:
+        if args.batch_size is not None:
+            raise CliError("give --sample-rate or --batch-size/--dataset-size, not both")
+        return args.sample_rate, None
+    if args.batch_size is None or args.dataset_size is None:
+        raise CliError("give --sample-rate Q, or --batch-size B with --dataset-size N")
+    return sample_rate_from_batch(args.batch_size, args.dataset_size), args.batch_size
+
+
+def _single_steps(args: argparse.Namespace, q: float) -> int:
+    if (args.steps is None) == (args.epochs is None):
+        raise CliError("give exactly one of --steps T and --epochs E")
+    if args.steps is not None:
+        if args.steps < 0:
+            raise CliError(f"--steps={args.steps} is not allowed: expected an integer >= 0")
+        return args.steps
+    return steps_from_epochs(args.epochs, q)
+
+
+def _segments(args: argparse.Namespace) -> tuple[list[tuple[float, int, float | None]], int | None]:
+    """[(q, steps, sigma or None)], and B when a single batch size was given."""
+    sched = getattr(args, "schedule", None)
+    bsched = getattr(args, "batch_schedule", None)
+    if sched is not None or bsched is not None:
+        if sched is not None and bsched is not None:
+            raise CliError("give --schedule or --batch-schedule, not both")
+        if args.sample_rate is not None or args.batch_size is not None:
+            raise CliError("a schedule replaces --sample-rate/--batch-size: give one of them")
+        if args.steps is not None or args.epochs is not None:
+            raise CliError("a schedule carries its own step counts: drop --steps/--epochs")
+        if sched is not None:
+            return _parse_segments(sched, "--schedule"), None
+        if args.dataset_size is None:
+            raise CliError("--batch-schedule needs --dataset-size N")
+        return [
+            (sample_rate_from_batch(int(b), args.dataset_size), t, s)
+            for b, t, s in _parse_segments(bsched, "--batch-schedule")
+        ], None
+    q, batch = _single_rate(args)
+    return [(q, _single_steps(args, q), None)], batch
+
+
+def _ledger(args: argparse.Namespace) -> tuple[PrivacyLedger, int | None]:
+    segments, batch = _segments(args)
+    ledger = PrivacyLedger()
+    for q, steps, sigma in segments:
+        sigma = sigma if sigma is not None else args.noise_multiplier
+        if sigma is None:
+            raise CliError("give --noise-multiplier S (or S in every schedule segment)")
+        if steps < 0:
+            raise CliError(f"steps={steps} is not allowed: expected an integer >= 0")
+        if steps > 0:
+            ledger.record(q, sigma, steps)
+    return ledger, batch
+
+
+def _accountant_names(choice: str) -> list[str]:
+    return list(ACCOUNTANTS) if choice == "all" else [choice]
+
+
+# -- subcommands ---------------------------------------------------------------------
+
+
+def _cmd_epsilon(args: argparse.Namespace) -> list[dict[str, Any]]:
+    ledger, batch = _ledger(args)
+    records = []
+    for name in _accountant_names(args.accountant):
+        acc = make_accountant(name, ledger)
+        rec: dict[str, Any] = {
+            "accountant": name,
+            "epsilon": acc.epsilon(args.delta),
+            "delta": args.delta,
+            "steps": ledger.num_steps,
+            "approximate": acc.approximate,
+            "privacy_unit": ledger.privacy_unit,
+            "neighbouring": ledger.neighbouring,
+        }
+        rec.update(_noise_figures(ledger, batch, args.max_grad_norm))
+        records.append(rec)
+    return records
+
+
+def _noise_figures(ledger: PrivacyLedger, batch: int | None, clip: float) -> dict[str, Any]:
+    if len(ledger) != 1:
+        return {"segments": [vars_of(s) for s in ledger.segments]}
+    (s,) = ledger.segments
+    out = {
+        "sample_rate": s.sample_rate,
+        "noise_multiplier": s.noise_multiplier,
+        "effective_noise_multiplier": effective_noise_multiplier(s.noise_multiplier, s.sample_rate),
+    }
+    if batch is not None:
+        out["averaged_gradient_noise_std"] = averaged_gradient_noise_std(
+            s.noise_multiplier, clip, batch
+        )
+    return out
+
+
+def vars_of(s: Any) -> dict[str, Any]:
+    return {"sample_rate": s.sample_rate, "noise_multiplier": s.noise_multiplier, "steps": s.count}
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> list[dict[str, Any]]:
+    segments, batch = _segments(args)
+    if any(sigma is not None for _, _, sigma in segments):
+        raise CliError("calibrate finds sigma: give schedule segments as Q:STEPS only")
+    schedule = [(q, t) for q, t, _ in segments]
+    records = []
+    for name in _accountant_names(args.accountant):
+        cal = calibrate_noise(
+            args.epsilon, args.delta, schedule=schedule, accountant=name, rtol=args.rtol
+        )
+        rec: dict[str, Any] = {
+            "accountant": name,
+            "noise_multiplier": cal.noise_multiplier,
+            "epsilon": cal.epsilon,
+            "target_epsilon": cal.target_epsilon,
+            "delta": cal.delta,
+            "failing_noise_multiplier": cal.failing_noise_multiplier,
+            "steps": sum(t for _, t in cal.schedule),
+            "approximate": name == "gdp",
+        }
+        if name != "pld":
+            # Whenever a sigma calibrated by another accountant is shown, show
+            # what PLD (the tightest rigorous one) says it costs.
+            rec["epsilon_pld"] = epsilon_of_schedule(cal.noise_multiplier, args.delta, schedule)
+        ledger = PrivacyLedger.from_schedule(schedule, cal.noise_multiplier)
+        rec.update(_noise_figures(ledger, batch, args.max_grad_norm))
+        records.append(rec)
+    return records
+
+
+def _cmd_calibrate_dpfp(args: argparse.Namespace) -> list[dict[str, Any]]:
+    p_step = sample_rate_from_batch(args.batch_size, args.dataset_size)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise CliError(f"--steps={args.steps} is not allowed: expected an integer >= 1")
+        steps = args.steps
+    else:
+        steps = steps_from_epochs(args.epochs, p_step)
+    if args.micro_batches < 1:
+        raise CliError(
+            f"--micro-batches={args.micro_batches} is not allowed: expected an integer >= 1"
+        )
+    rate = args.batch_size / (args.micro_batches * args.dataset_size)
+    cal = calibrate_dpfp(
+        args.epsilon,
+        args.delta,
+        sample_rate=rate,
+        steps=steps,
+        micro_batches=args.micro_batches,
+        clip=args.clip,
+        accountant=args.accountant,
+    )
+    rec: dict[str, Any] = {
+        "accountant": args.accountant,
+        "noise_multiplier": cal.noise_multiplier,
+        "noise_std": cal.noise_std,
+        "clip": cal.clip,
+        "target_epsilon": cal.target_epsilon,
+        "delta": cal.delta,
+        "sample_rate": cal.sample_rate,
+        "steps": cal.steps,
+        "micro_batches": cal.micro_batches,
+        "mechanism_steps": cal.steps * cal.micro_batches,
+        "approximate": args.accountant == "gdp",
+        "epsilons": cal.epsilons,
+        **{f"epsilon_{k}": v for k, v in cal.epsilons.items()},
+    }
+    if cal.mu_tot is not None:
+        rec["mu_tot"] = cal.mu_tot
+    return [rec]
+
+
+def _cmd_search_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
+    costs = []
+    if args.epsilon is not None:
+        costs.append(
+            search_cost_gupta(
+                args.epsilon, args.delta, args.trials, validation_size=args.validation_size
+            )
+        )
+        costs.append(optimal_composition(args.epsilon, args.delta, args.trials, args.total_delta))
+    has_ledger = args.sample_rate is not None or args.batch_size is not None
+    if has_ledger:
+        ledger, _ = _ledger(args)
+        costs.append(composition_of_ledger(ledger, args.trials, args.delta))
+        costs.append(repeat_and_select(ledger, args.trials, args.delta, "poisson"))
+        costs.append(repeat_and_select(ledger, args.trials, args.delta, "logarithmic"))
+    if not costs:
+        raise CliError(
+            "give the per-trial --epsilon, or a trial's ledger (--sample-rate or --batch-size/"
+            "--dataset-size, --steps or --epochs, --noise-multiplier), or both"
+        )
+    return [
+        {
+            "method": c.method,
+            "epsilon": c.epsilon,
+            "delta": c.delta,
+            "trials": c.trials,
+            "rigorous": c.rigorous,
+            "accuracy_loss_bound": c.accuracy_loss_bound,
+            "reference": c.reference,
+            "note": c.note,
+        }
+        for c in costs
+    ]
+
+
+# -- rendering -----------------------------------------------------------------------
+
+
+def _render(command: str, records: list[dict[str, Any]]) -> str:
+    if command == "epsilon":
+        head = ["accountant", "epsilon", "delta", "steps", "note"]
+        rows = [
+            [r["accountant"], r["epsilon"], r["delta"], r["steps"], _note(r["accountant"])]
+            for r in records
+        ]
+        extra = _derived_lines(records[0])
+    elif command == "calibrate":
+        head = ["accountant", "noise_multiplier", "epsilon", "pld epsilon", "delta", "note"]
+        rows = [
+            [
+                r["accountant"],
+                r["noise_multiplier"],
+                r["epsilon"],
+                r.get("epsilon_pld", r["epsilon"]),
+                r["delta"],
+                _note(r["accountant"]),
+            ]
+            for r in records
+        ]
+        extra = _derived_lines(records[0])
+    elif command == "calibrate-dpfp":
+        r = records[0]
+        head = ["quantity", "value"]
+        rows = [
+            ["calibrated with", r["accountant"] + (" (paper route)" if r["approximate"] else "")],
+            ["noise_multiplier sigma/C", r["noise_multiplier"]],
+            ["noise_std sigma", r["noise_std"]],
+            ["sample rate p = B/(M N)", r["sample_rate"]],
+            ["steps T x micro-batches M", f"{r['steps']} x {r['micro_batches']}"],
+            ["epsilon (pld)", r["epsilon_pld"]],
+            ["epsilon (rdp)", r["epsilon_rdp"]],
+            ["epsilon (gdp, approximate)", r["epsilon_gdp"]],
+            ["delta", r["delta"]],
+        ]
+        extra = [
+            "Each micro-batch is modelled as one subsampled Gaussian mechanism of sensitivity C "
+            "(the paper's accounting). Labels are not protected."
+        ]
+    else:  # search-cost
+        head = ["method", "epsilon", "delta", "trials", "rigorous", "note"]
+        rows = [
+            [r["method"], r["epsilon"], r["delta"], r["trials"], str(r["rigorous"]), r["note"]]
+            for r in records
+        ]
+        extra = [
+            f"{r['method']}: accuracy loss <= {r['accuracy_loss_bound']:.4g} w.p. 0.9"
+            for r in records
+            if r["accuracy_loss_bound"] is not None
+        ]
+    return "\n".join([format_table(head, rows), *extra])
+
+
+def _note(accountant: str) -> str:
+    return _GDP_LABEL if accountant == "gdp" else ""
+
+
+def _derived_lines(r: dict[str, Any]) -> list[str]:
+    lines = [f"privacy unit: {r.get('privacy_unit', 'example')}, add/remove-one neighbours"]
+    if "effective_noise_multiplier" in r:
+        lines.append(f"effective noise multiplier sigma/q: {r['effective_noise_multiplier']:.4g}")
+    if "averaged_gradient_noise_std" in r:
+        lines.append(f"noise std of the averaged gradient: {r['averaged_gradient_noise_std']:.4g}")
+    return lines
+
+
+_COMMANDS = {
+    "epsilon": _cmd_epsilon,
+    "calibrate": _cmd_calibrate,
+    "calibrate-dpfp": _cmd_calibrate_dpfp,
+    "search-cost": _cmd_search_cost,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``dptrain`` command; returns the exit code (2 for bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "demo":
+            from dptrain.accounting_demo import run_demo
+
+            run_demo(args.out)
+            return 0
+        records = _COMMANDS[args.command](args)
+    except ValueError as err:  # includes CliError: bad input, never a traceback
+        print(f"dptrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        for rec in records:
+            print(json.dumps(rec))
+    else:
+        print(_render(args.command, records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Every name a public module lists in __all__ imports and is documented."""
+
+import importlib
+
+import pytest
+
+MODULES = [
+    "dptrain",
+    "dptrain.accounting",
+    "dptrain.accounting.accountants",
+    "dptrain.accounting.calibration",
+    "dptrain.accounting.gdp",
+    "dptrain.accounting.hyperparameter_search",
+    "dptrain.accounting.ledger",
+    "dptrain.accounting.noise",
+    "dptrain.cli",
+    "dptrain.accounting_demo",
+]
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_all_names_import(module_name):
+    module = importlib.import_module(module_name)
+    assert module.__all__, f"{module_name} has an empty __all__"
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if callable(obj) and not isinstance(obj, type(importlib)):
+            assert obj.__doc__ or name.isupper(), f"{module_name}.{name} has no docstring"

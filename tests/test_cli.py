@@ -1,0 +1,311 @@
+"""The ``dptrain`` command: JSON keys, tables, and errors on stderr with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dptrain.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def json_lines(out):
+    return [json.loads(line) for line in out.strip().splitlines()]
+
+
+def test_epsilon_json_has_one_object_per_accountant(capsys):
+    code, out, _ = run(
+        capsys,
+        "epsilon",
+        "--sample-rate",
+        "0.01",
+        "--noise-multiplier",
+        "1.0",
+        "--steps",
+        "1000",
+        "--delta",
+        "1e-5",
+        "--json",
+    )
+    assert code == 0
+    records = json_lines(out)
+    assert [r["accountant"] for r in records] == ["pld", "rdp", "gdp"]
+    assert all(r["epsilon"] > 0 for r in records)
+    assert records[2]["approximate"] is True
+    assert records[0]["effective_noise_multiplier"] == pytest.approx(100.0)
+
+
+def test_epsilon_from_batch_size_and_epochs_equals_rate_and_steps(capsys):
+    _, out_a, _ = run(
+        capsys,
+        "epsilon",
+        "--batch-size",
+        "256",
+        "--dataset-size",
+        "60000",
+        "--epochs",
+        "3",
+        "--noise-multiplier",
+        "1.1",
+        "--delta",
+        "1e-5",
+        "--accountant",
+        "rdp",
+        "--json",
+    )
+    _, out_b, _ = run(
+        capsys,
+        "epsilon",
+        "--sample-rate",
+        str(256 / 60000),
+        "--steps",
+        str(int(3 * 60000 / 256)),
+        "--noise-multiplier",
+        "1.1",
+        "--delta",
+        "1e-5",
+        "--accountant",
+        "rdp",
+        "--json",
+    )
+    a, b = json_lines(out_a)[0], json_lines(out_b)[0]
+    assert a["epsilon"] == pytest.approx(b["epsilon"], rel=1e-12)
+    assert a["averaged_gradient_noise_std"] == pytest.approx(1.1 / 256)
+
+
+def test_epsilon_schedule_with_per_segment_sigma(capsys):
+    code, out, _ = run(
+        capsys,
+        "epsilon",
+        "--schedule",
+        "0.01:100,0.02:50:2.0",
+        "--noise-multiplier",
+        "1.0",
+        "--delta",
+        "1e-5",
+        "--accountant",
+        "gdp",
+        "--json",
+    )
+    assert code == 0
+    (rec,) = json_lines(out)
+    assert rec["steps"] == 150
+    assert rec["segments"][1] == {"sample_rate": 0.02, "noise_multiplier": 2.0, "steps": 50}
+
+
+def test_human_table_labels_gdp_as_approximate(capsys):
+    code, out, _ = run(
+        capsys,
+        "epsilon",
+        "--sample-rate",
+        "0.01",
+        "--noise-multiplier",
+        "1.0",
+        "--steps",
+        "100",
+        "--delta",
+        "1e-5",
+    )
+    assert code == 0
+    gdp_line = next(line for line in out.splitlines() if line.startswith("gdp"))
+    assert "approximate" in gdp_line
+
+
+def test_calibrate_json(capsys):
+    code, out, _ = run(
+        capsys,
+        "calibrate",
+        "--epsilon",
+        "2",
+        "--delta",
+        "1e-5",
+        "--sample-rate",
+        "0.01",
+        "--steps",
+        "500",
+        "--accountant",
+        "gdp",
+        "--json",
+    )
+    assert code == 0
+    (rec,) = json_lines(out)
+    assert rec["noise_multiplier"] > 0
+    assert rec["epsilon"] <= 2
+    # A GDP-calibrated sigma is always shown with its PLD epsilon.
+    assert rec["epsilon_pld"] > rec["epsilon"]
+
+
+def test_calibrate_dpfp_reproduces_the_paper_route(capsys):
+    code, out, _ = run(
+        capsys,
+        "calibrate-dpfp",
+        "--epsilon",
+        "1.73",
+        "--delta",
+        str(1 / (2 * 67349)),
+        "--dataset-size",
+        "67349",
+        "--batch-size",
+        "32",
+        "--micro-batches",
+        "32",
+        "--epochs",
+        "3",
+        "--clip",
+        "1",
+        "--accountant",
+        "gdp",
+        "--json",
+    )
+    assert code == 0
+    (rec,) = json_lines(out)
+    assert rec["noise_multiplier"] == pytest.approx(0.346, abs=5e-4)
+    assert rec["noise_std"] == pytest.approx(rec["noise_multiplier"])
+    assert rec["epsilon_pld"] == pytest.approx(5.90, abs=0.01)
+    assert set(rec["epsilons"]) == {"pld", "rdp", "gdp"}
+
+
+def test_search_cost_json(capsys):
+    code, out, _ = run(
+        capsys, "search-cost", "--trials", "5", "--epsilon", "1", "--delta", "1e-6", "--json"
+    )
+    assert code == 0
+    methods = [r["method"] for r in json_lines(out)]
+    assert methods == ["gupta", "composition"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            [
+                "calibrate",
+                "--epsilon",
+                "0",
+                "--delta",
+                "1e-5",
+                "--sample-rate",
+                "0.01",
+                "--steps",
+                "10",
+            ],
+            "target_epsilon=0.0 is not allowed: expected a number > 0",
+        ),
+        (
+            [
+                "epsilon",
+                "--sample-rate",
+                "0.01",
+                "--noise-multiplier",
+                "1",
+                "--steps",
+                "10",
+                "--delta",
+                "1.5",
+            ],
+            "delta=1.5 is outside the allowed range (0, 1)",
+        ),
+        (
+            [
+                "epsilon",
+                "--sample-rate",
+                "0",
+                "--noise-multiplier",
+                "1",
+                "--steps",
+                "10",
+                "--delta",
+                "1e-5",
+            ],
+            "sample_rate=0.0 is outside the allowed range (0, 1]",
+        ),
+        (
+            [
+                "epsilon",
+                "--sample-rate",
+                "0.1",
+                "--noise-multiplier",
+                "-1",
+                "--steps",
+                "10",
+                "--delta",
+                "1e-5",
+            ],
+            "noise_multiplier=-1.0 is not allowed: expected a number > 0",
+        ),
+        (
+            [
+                "epsilon",
+                "--sample-rate",
+                "0.1",
+                "--noise-multiplier",
+                "1",
+                "--steps",
+                "-5",
+                "--delta",
+                "1e-5",
+            ],
+            "--steps=-5 is not allowed: expected an integer >= 0",
+        ),
+        (
+            [
+                "calibrate",
+                "--epsilon",
+                "1e-6",
+                "--delta",
+                "1e-10",
+                "--sample-rate",
+                "1",
+                "--steps",
+                "1000000",
+            ],
+            "target_epsilon=1e-06 is unreachable",
+        ),
+        (
+            ["epsilon", "--schedule", "0.1-100", "--noise-multiplier", "1", "--delta", "1e-5"],
+            "--schedule='0.1-100': segment '0.1-100' is not of the form X:STEPS or X:STEPS:SIGMA",
+        ),
+        (
+            ["epsilon", "--sample-rate", "0.1", "--noise-multiplier", "1", "--delta", "1e-5"],
+            "give exactly one of --steps T and --epochs E",
+        ),
+    ],
+)
+def test_bad_input_exits_2_with_message_on_stderr(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.startswith(f"dptrain {argv[0]}: error: ")
+    assert message in err
+
+
+def test_installed_entry_point_runs():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dptrain.cli",
+            "epsilon",
+            "--sample-rate",
+            "1",
+            "--noise-multiplier",
+            "2",
+            "--steps",
+            "1",
+            "--delta",
+            "0",
+            "--accountant",
+            "gdp",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "delta=0.0 is outside the allowed range (0, 1)" in proc.stderr

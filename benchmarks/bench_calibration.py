@@ -64,7 +64,7 @@ def main() -> None:
         for name in ("pld", "rdp", "gdp"):
             runs = [
                 timed(
-                    lambda name=name: calibrate_noise(
+                    lambda name=name, steps=steps: calibrate_noise(
                         TARGET, DELTA, sample_rate=Q, steps=steps, accountant=name
                     )
                 )
@@ -76,7 +76,7 @@ def main() -> None:
                 f"| {steps:,} | dptrain {name} | {cal.noise_multiplier:.4f} | "
                 f"{cal.evaluations} | {med:.2f} |"
             )
-        t, (sigma, n) = timed(lambda: plain_bisection(steps))
+        t, (sigma, n) = timed(lambda steps=steps: plain_bisection(steps))
         print(f"| {steps:,} | plain PLD bisection | {sigma:.4f} | {n} | {t:.2f} |")
 
 

@@ -4,8 +4,8 @@ import mpmath
 import pytest
 
 from dptrain.accounting import (
-    RDPAccountant,
     PrivacyLedger,
+    RDPAccountant,
     composition_of_ledger,
     optimal_composition,
     repeat_and_select,
@@ -19,9 +19,9 @@ def kov_discrete(eps, k):
     for i in range(k // 2 + 1):
         delta_i = (
             mpmath.fsum(
-                mpmath.binomial(k, l)
-                * (mpmath.exp((k - l) * eps) - mpmath.exp((k - 2 * i + l) * eps))
-                for l in range(i)
+                mpmath.binomial(k, j)
+                * (mpmath.exp((k - j) * eps) - mpmath.exp((k - 2 * i + j) * eps))
+                for j in range(i)
             )
             / (1 + mpmath.exp(eps)) ** k
         )

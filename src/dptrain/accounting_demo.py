@@ -144,14 +144,14 @@ def run_demo(out_dir: str | Path = "runs/demo") -> dict[str, object]:
     )
     report["search_cost"] = {c.method: c.epsilon for c in costs}
 
-    _plot(out / "accounting_demo.png", epochs, curve, targets, sigmas)
+    _plot(out / "accounting_demo.png", epochs, curve, targets, sigmas, rows[0])
     (out / "accounting_demo.json").write_text(json.dumps(report, indent=2))
     print(f"\nwrote {out / 'accounting_demo.png'} and {out / 'accounting_demo.json'}")
     return report
 
 
-def _plot(path: Path, epochs, curve, targets, sigmas) -> None:
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+def _plot(path: Path, epochs, curve, targets, sigmas, dpfp_paper_row) -> None:
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.4))
     styles = {"pld": "-o", "rdp": "-s", "gdp": "--^"}
     labels = {"pld": "PLD", "rdp": "RDP", "gdp": "GDP CLT (approximate)"}
     for name in ACCOUNTANTS:
@@ -167,6 +167,19 @@ def _plot(path: Path, epochs, curve, targets, sigmas) -> None:
         ylabel="calibrated noise multiplier sigma",
         title="Noise for a target, 30 epochs",
     )
+    # DP-FP: the paper's GDP-calibrated sigma, counted by each accountant.
+    _, sigma_c, eps_gdp, eps_pld, eps_rdp = dpfp_paper_row
+    bars = ax3.bar(
+        ["GDP CLT\n(paper's claim)", "PLD", "RDP"],
+        [eps_gdp, eps_pld, eps_rdp],
+        color=["tab:green", "tab:blue", "tab:orange"],
+    )
+    ax3.bar_label(bars, fmt="%.2f")
+    ax3.set(
+        ylabel="epsilon of the same 202,016 steps",
+        title=f"DP-FP on SST-2, paper's sigma/C = {sigma_c:.3f}",
+    )
+    ax3.grid(alpha=0.3, axis="y")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()

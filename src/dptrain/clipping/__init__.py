@@ -1,0 +1,45 @@
+"""Per-example clipping: layer rules, phantom clipping, the engine, the oracle."""
+
+from dptrain.clipping.engine import (
+    CLIPPING_MODES,
+    NORM_METHODS,
+    ClippingEngine,
+    ClipStats,
+    UnsupportedModelError,
+)
+from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
+from dptrain.clipping.oracle import oracle_clipped_sum, oracle_norms, oracle_per_example_grads
+from dptrain.clipping.phantom import phantom_cross_term
+from dptrain.clipping.rules import (
+    RULES,
+    Conv1DRule,
+    EmbeddingRule,
+    LayerRule,
+    LinearRule,
+    NormLayerRule,
+    find_rule,
+    register_rule,
+)
+
+__all__ = [
+    "CLIPPING_FUNCTIONS",
+    "CLIPPING_MODES",
+    "NORM_METHODS",
+    "RULES",
+    "ClipStats",
+    "ClippingEngine",
+    "Conv1DRule",
+    "EmbeddingRule",
+    "LayerRule",
+    "LinearRule",
+    "NormLayerRule",
+    "UnsupportedModelError",
+    "automatic_factors",
+    "find_rule",
+    "flat_factors",
+    "oracle_clipped_sum",
+    "oracle_norms",
+    "oracle_per_example_grads",
+    "phantom_cross_term",
+    "register_rule",
+]

@@ -1,0 +1,263 @@
+"""Per-layer rules: per-example gradient norms and clipped gradient sums.
+
+A registry keyed by module type, one signature for all (as Opacus's grad
+samplers). Each rule sees what the engine captured for one module in one
+forward/backward:
+
+    a: the module's input,            shape (B, T, d_in) (T = 1 for 2-D inputs)
+    g: gradient of sum_i L_i w.r.t. the module's output, shape (B, T, d_out)
+
+Row i of ``g`` only carries example i's loss, so example i's parameter
+gradient is a function of (a_i, g_i) alone, and for every rule here it is a
+sum over tokens t (which is why several calls of one module can be
+concatenated along T). A rule gives, per trainable parameter:
+
+- ``norms_sq``: ||grad_i||^2 for each example, (B,), by the cheaper of
+  ghost norm (Goodfellow 2015; Li et al. 2022 §4: ||g_i^T a_i||_F^2 =
+  <a_i a_i^T, g_i g_i^T>, O(T^2 (d_in + d_out))) and instantiation
+  (O(d_in d_out) per example), as chosen by the engine;
+- ``clipped_sum``: sum_i c_i grad_i for per-example factors c (B,), computed
+  from (a, g) directly (book-keeping, Bu et al. 2023) without per-example
+  gradients;
+- ``per_example``: the per-example gradients themselves (B, *shape), used
+  where instantiation is cheaper and for parameters shared between modules.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "RULES",
+    "Conv1DRule",
+    "EmbeddingRule",
+    "LayerRule",
+    "LinearRule",
+    "NormLayerRule",
+    "find_rule",
+    "register_rule",
+]
+
+
+class LayerRule(abc.ABC):
+    """How to clip one module type's parameters per example."""
+
+    #: Parameter attribute names the rule handles, e.g. ("weight", "bias").
+    param_names: tuple[str, ...] = ("weight", "bias")
+
+    def check(self, module: nn.Module) -> str | None:
+        """A reason why this module cannot be clipped exactly, or None."""
+        return None
+
+    def prepare(self, module: nn.Module, a: Tensor) -> Tensor:
+        """The captured input reshaped to (B, T, ...) for the methods below."""
+        return a.reshape(a.shape[0], -1, a.shape[-1]) if a.dim() != 3 else a
+
+    @abc.abstractmethod
+    def per_example(self, module: nn.Module, a: Tensor, g: Tensor) -> dict[str, Tensor]:
+        """Per-example gradients {name: (B, *param.shape)}."""
+
+    def norms_sq(self, module: nn.Module, a: Tensor, g: Tensor, ghost: bool) -> dict[str, Tensor]:
+        """{name: (B,) squared per-example gradient norms}. Default: instantiate."""
+        return {k: v.flatten(1).pow(2).sum(1) for k, v in self.per_example(module, a, g).items()}
+
+    @abc.abstractmethod
+    def clipped_sum(
+        self, module: nn.Module, a: Tensor, g: Tensor, factors: Tensor
+    ) -> dict[str, Tensor]:
+        """{name: sum_i factors[i] * grad_i}, without per-example gradients where possible."""
+
+    def ghost_is_cheaper(self, module: nn.Module, a: Tensor, g: Tensor) -> bool:
+        """Li et al. 2022 (§4): ghost norm when 2 T^2 < d_in d_out (memory per example)."""
+        return False
+
+
+def _flatten_tokens(t: Tensor) -> Tensor:
+    """(B, ..., d) -> (B, T, d)."""
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
+    """sum_{t,s} <x_t, x_s> <y_t, y_s> per example: the ghost norm, (B,)."""
+    if x.shape[1] == 1:  # T = 1: ||x||^2 ||y||^2, no T x T matrices
+        return x.pow(2).sum((1, 2)) * y.pow(2).sum((1, 2))
+    return (torch.bmm(x, x.transpose(1, 2)) * torch.bmm(y, y.transpose(1, 2))).sum((1, 2))
+
+
+class LinearRule(LayerRule):
+    """``nn.Linear``: y = a W^T + b, W (d_out, d_in); grad_W,i = g_i^T a_i."""
+
+    #: True for HF GPT-2's Conv1D, whose weight is stored transposed (d_in, d_out).
+    transposed = False
+
+    def ghost_is_cheaper(self, module: nn.Module, a: Tensor, g: Tensor) -> bool:
+        t = a.shape[1]
+        return 2 * t * t < a.shape[-1] * g.shape[-1]
+
+    def per_example(self, module, a, g):
+        a, g = _flatten_tokens(a), _flatten_tokens(g)
+        out = {}
+        if _trainable(module.weight):
+            w = torch.einsum("btp,btd->bpd", g, a)
+            out["weight"] = w.transpose(1, 2) if self.transposed else w
+        if _trainable(getattr(module, "bias", None)):
+            out["bias"] = g.sum(1)
+        return out
+
+    def norms_sq(self, module, a, g, ghost):
+        a, g = _flatten_tokens(a), _flatten_tokens(g)
+        out = {}
+        if _trainable(module.weight):
+            if ghost:
+                out["weight"] = _gram_inner(a, g)
+            else:
+                out["weight"] = torch.einsum("btp,btd->bpd", g, a).pow(2).sum((1, 2))
+        if _trainable(getattr(module, "bias", None)):
+            out["bias"] = g.sum(1).pow(2).sum(1)
+        return out
+
+    def clipped_sum(self, module, a, g, factors):
+        a, g = _flatten_tokens(a), _flatten_tokens(g)
+        out = {}
+        scaled = g * factors.to(g.dtype)[:, None, None]  # (B, T, p)
+        if _trainable(module.weight):
+            w = scaled.flatten(0, 1).T @ a.flatten(0, 1)  # (p, d)
+            out["weight"] = w.T if self.transposed else w
+        if _trainable(getattr(module, "bias", None)):
+            out["bias"] = scaled.sum((0, 1))
+        return out
+
+
+class Conv1DRule(LinearRule):
+    """HF GPT-2 ``Conv1D``: y = a W + b with W stored (d_in, d_out)."""
+
+    transposed = True
+
+
+class EmbeddingRule(LayerRule):
+    """``nn.Embedding`` with token ids x: grad_E,i = X_i^T g_i (X_i one-hot of x_i).
+
+    ||grad_i||^2 = sum_{t,s: x_t = x_s} <g_t, g_s> (DESIGN.md). Tokens equal to
+    ``padding_idx`` get no gradient in PyTorch, so they are masked out.
+    """
+
+    param_names = ("weight",)
+
+    def check(self, module):
+        if module.scale_grad_by_freq:
+            return "scale_grad_by_freq=True scales gradients by counts over the whole batch"
+        if module.sparse:
+            return "sparse=True gradients are not supported"
+        return None
+
+    def prepare(self, module, a):
+        return a.reshape(a.shape[0], -1)  # ids (B, T)
+
+    def _masked(self, module, x: Tensor, g: Tensor) -> Tensor:
+        g = g.reshape(x.shape[0], x.shape[1], -1)
+        if module.padding_idx is not None:
+            g = g * (x != module.padding_idx).unsqueeze(-1).to(g.dtype)
+        return g
+
+    def per_example(self, module, a, g):
+        if not _trainable(module.weight):
+            return {}
+        x, g = a, self._masked(module, a, g)
+        b, _, d = g.shape
+        out = torch.zeros(b, module.num_embeddings, d, dtype=g.dtype, device=g.device)
+        out.scatter_add_(1, x.unsqueeze(-1).expand(-1, -1, d), g)
+        return {"weight": out}
+
+    def norms_sq(self, module, a, g, ghost):
+        if not _trainable(module.weight):
+            return {}
+        x, g = a, self._masked(module, a, g)
+        same = (x.unsqueeze(2) == x.unsqueeze(1)).to(g.dtype)  # (B, T, T)
+        return {"weight": (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))}
+
+    def clipped_sum(self, module, a, g, factors):
+        if not _trainable(module.weight):
+            return {}
+        x, g = a, self._masked(module, a, g)
+        scaled = (g * factors.to(g.dtype)[:, None, None]).flatten(0, 1)
+        out = torch.zeros(module.num_embeddings, g.shape[-1], dtype=g.dtype, device=g.device)
+        out.index_add_(0, x.flatten(), scaled)
+        return {"weight": out}
+
+
+class NormLayerRule(LayerRule):
+    """``nn.LayerNorm`` / ``nn.RMSNorm``: grad_w,i = sum_t g_t * xhat_t, grad_b,i = sum_t g_t.
+
+    xhat (the normalised input) is recomputed from the captured input. The
+    per-example gradients are d-vectors, so they are always instantiated.
+    """
+
+    def prepare(self, module, a):
+        d = 1
+        for s in module.normalized_shape:
+            d *= s
+        return a.reshape(a.shape[0], -1, d)
+
+    def _xhat(self, module: nn.Module, a: Tensor) -> Tensor:
+        shape = (a.shape[-1],)
+        if isinstance(module, nn.LayerNorm):
+            return F.layer_norm(a, shape, None, None, module.eps)
+        return F.rms_norm(a, shape, None, module.eps)
+
+    def per_example(self, module, a, g):
+        g = g.reshape(a.shape)
+        out = {}
+        if _trainable(module.weight):
+            out["weight"] = (g * self._xhat(module, a)).sum(1).reshape(-1, *module.weight.shape)
+        if _trainable(getattr(module, "bias", None)):
+            out["bias"] = g.sum(1).reshape(-1, *module.bias.shape)
+        return out
+
+    def clipped_sum(self, module, a, g, factors):
+        return {
+            k: torch.einsum("b,b...->...", factors.to(v.dtype), v)
+            for k, v in self.per_example(module, a, g).items()
+        }
+
+
+def _trainable(p: Tensor | None) -> bool:
+    return isinstance(p, nn.Parameter) and p.requires_grad
+
+
+#: The registry: module type -> rule (exact types; see :func:`find_rule`).
+RULES: dict[type[nn.Module], LayerRule] = {
+    nn.Linear: LinearRule(),
+    nn.Embedding: EmbeddingRule(),
+    nn.LayerNorm: NormLayerRule(),
+    nn.RMSNorm: NormLayerRule(),
+}
+
+try:  # HF GPT-2 blocks use Conv1D; transformers is optional.
+    from transformers.pytorch_utils import Conv1D as _HFConv1D
+
+    RULES[_HFConv1D] = Conv1DRule()
+except ImportError:  # pragma: no cover - depends on the environment
+    pass
+
+
+def register_rule(module_type: type[nn.Module], rule: LayerRule) -> None:
+    """Register (or replace) the rule for ``module_type``."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type={module_type!r} is not an nn.Module subclass")
+    if not isinstance(rule, LayerRule):
+        raise TypeError(f"rule={rule!r} is not a LayerRule")
+    RULES[module_type] = rule
+
+
+def find_rule(module: nn.Module) -> LayerRule | None:
+    """The rule registered for exactly ``module``'s type, or None.
+
+    Subclasses do not inherit their parent's rule: a subclass may change
+    ``forward`` (LoRA, quantised layers), and a wrong rule would clip wrongly
+    without any sign. Register such types explicitly.
+    """
+    return RULES.get(type(module))

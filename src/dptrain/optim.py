@@ -1,0 +1,279 @@
+"""DP optimizers: clipped sum + Gaussian noise once per logical batch, then any torch step.
+
+``DPOptimizer`` wraps SGD, Adam, AdamW or any ``torch.optim.Optimizer``. During
+a logical batch the clipping engine accumulates sum_i c_i grad_i into each
+``p.grad`` (over as many physical chunks as needed); :meth:`DPOptimizer.step`
+then
+
+1. all-reduces the clipped sums (a no-op in one process; the hook the
+   data-parallel trainer overrides),
+2. adds N(0, sigma^2 C^2 I) once (Abadi et al. 2016; Li et al. 2022 Alg. 1),
+3. divides by the expected batch size q N (not the realised one, which would
+   leak the batch size),
+4. runs the wrapped optimizer's step and records the step in the ledger.
+
+Noise comes from a generator seeded from the OS unless a seed is given; the
+seed used is kept in ``seed`` so that it can be logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dptrain._checks import check_int, check_positive, check_sample_rate
+from dptrain.accounting import PrivacyLedger
+from dptrain.clipping.engine import ClippingEngine, ClipStats
+
+__all__ = ["DPOptimizer", "PrivacyBudgetExhaustedError", "StepMetrics", "noisy_clipped_gradient"]
+
+log = logging.getLogger(__name__)
+
+
+class PrivacyBudgetExhaustedError(RuntimeError):
+    """Raised by a step that would go past the steps the privacy budget allows."""
+
+
+@dataclass
+class StepMetrics:
+    """What one private step did (log these)."""
+
+    step: int
+    sample_rate: float
+    noise_multiplier: float
+    clipped_sum_norm: float
+    """||sum_i c_i g_i|| before noise."""
+    noise_norm: float
+    """||z|| of the Gaussian noise added."""
+
+    @property
+    def gradient_snr(self) -> float:
+        """||clipped sum|| / ||noise|| (Anil et al. 2021 §5, gradient-SNR)."""
+        return self.clipped_sum_norm / self.noise_norm if self.noise_norm > 0 else math.inf
+
+
+def _make_generator(seed: int | None, device: torch.device) -> tuple[torch.Generator, int]:
+    g = torch.Generator(device=device)
+    if seed is None:
+        return g, g.seed()
+    g.manual_seed(seed)
+    return g, seed
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """A differentially private wrapper of ``optimizer``.
+
+    Args:
+        optimizer: the torch optimizer that takes the noised, averaged gradient.
+        noise_multiplier: sigma; the noise std is sigma * max_grad_norm.
+        max_grad_norm: C, the clipping norm the engine uses.
+        expected_batch_size: q N, the divisor of the noised sum.
+        sample_rate: q, recorded in the ledger at every step.
+        ledger: the privacy ledger to record into (a new one if None).
+        seed: fixes the noise; None draws a seed from the OS (logged either way).
+        max_steps: refuse steps beyond this many (the budget's planned steps).
+
+    LR schedulers can be attached to this object directly: ``param_groups``
+    are the wrapped optimizer's.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: float,
+        sample_rate: float,
+        ledger: PrivacyLedger | None = None,
+        seed: int | None = None,
+        max_steps: int | None = None,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        # Not calling Optimizer.__init__: state and groups are the wrapped optimizer's.
+        self.original_optimizer = optimizer
+        self.noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
+        self.max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+        self.expected_batch_size = check_positive("expected_batch_size", expected_batch_size)
+        self.sample_rate = check_sample_rate(sample_rate)
+        self.ledger = ledger if ledger is not None else PrivacyLedger()
+        self.max_steps = None if max_steps is None else check_int("max_steps", max_steps, 0)
+        self.steps_taken = 0
+        self._seed_arg = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self.seed: int | None = None
+        self.last_metrics: StepMetrics | None = None
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._generator_for(torch.device("cpu"))
+
+    # -- delegation so LR schedulers and checkpoints see the wrapped optimizer --------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.original_optimizer.state
+
+    @property
+    def defaults(self):  # type: ignore[override]
+        return self.original_optimizer.defaults
+
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters this optimizer updates."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            # One seed for the run; each device's generator starts from it.
+            seed = self._seed_arg if self._seed_arg is not None else self.seed
+            gen, used = _make_generator(seed, device)
+            self._generators[device] = gen
+            if self.seed is None:
+                self.seed = used
+                how = "given explicitly" if self._seed_arg is not None else "drawn from the OS"
+                log.info("DP noise seed %d (%s)", used, how)
+        return self._generators[device]
+
+    # -- the private step ---------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a logical batch: forget the previous clipped sums."""
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def all_reduce_clipped_sums(self) -> None:
+        """Sum the clipped sums over data-parallel workers. One process: nothing to do."""
+
+    def add_noise(self, loss_scale: float = 1.0) -> StepMetrics:
+        """p.grad <- (clipped sum + N(0, (sigma C K)^2)) / (K q N) for every parameter.
+
+        ``loss_scale`` K follows Li et al. 2022 App. T: sums clipped at C K get
+        noise of std sigma C K, then everything is unscaled by K.
+        """
+        k = check_positive("loss_scale", loss_scale)
+        std = self.noise_multiplier * self.max_grad_norm * k
+        signal_sq, noise_sq = 0.0, 0.0
+        for p in self.params():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            noise = torch.normal(
+                0.0,
+                std,
+                size=p.shape,
+                generator=self._generator_for(p.device),
+                device=p.device,
+                dtype=p.dtype,
+            )
+            signal_sq += float(p.grad.detach().float().pow(2).sum())
+            noise_sq += float(noise.float().pow(2).sum())
+            p.grad.add_(noise).div_(k * self.expected_batch_size)
+        return StepMetrics(
+            step=self.steps_taken,
+            sample_rate=self.sample_rate,
+            noise_multiplier=self.noise_multiplier,
+            clipped_sum_norm=math.sqrt(signal_sq) / k,
+            noise_norm=math.sqrt(noise_sq) / k,
+        )
+
+    def step(self, closure=None, loss_scale: float = 1.0) -> StepMetrics:  # type: ignore[override]
+        """Noise the accumulated clipped sums once, step the wrapped optimizer, record the step."""
+        if closure is not None:
+            raise ValueError(
+                "closure= is not supported: a DP step must not re-evaluate the loss on the batch"
+            )
+        if self.max_steps is not None and self.steps_taken >= self.max_steps:
+            raise PrivacyBudgetExhaustedError(
+                f"the privacy budget allows {self.max_steps} steps and all are taken "
+                f"(epsilon is computed from the ledger: {self.ledger!r})"
+            )
+        self.all_reduce_clipped_sums()
+        metrics = self.add_noise(loss_scale)
+        self.original_optimizer.step()
+        self.ledger.record(self.sample_rate, self.noise_multiplier)
+        self.steps_taken += 1
+        self.last_metrics = metrics
+        return metrics
+
+    def set_sample_rate(self, sample_rate: float, dataset_size: int) -> None:
+        """Use rate q from the next step on (a batch-size schedule); the divisor becomes q N."""
+        self.sample_rate = check_sample_rate(sample_rate)
+        self.expected_batch_size = self.sample_rate * check_int("dataset_size", dataset_size, 1)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return {
+            "optimizer": self.original_optimizer.state_dict(),
+            "ledger": self.ledger.state_dict(),
+            "steps_taken": self.steps_taken,
+            "seed": self.seed,
+            "generators": {str(d): g.get_state() for d, g in self._generators.items()},
+            "sample_rate": self.sample_rate,
+            "expected_batch_size": self.expected_batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
+        self.original_optimizer.load_state_dict(state["optimizer"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.steps_taken = state["steps_taken"]
+        self.seed = state["seed"]
+        self._seed_arg = state["seed"]
+        self.sample_rate = state["sample_rate"]
+        self.expected_batch_size = state["expected_batch_size"]
+        for device, gen_state in state["generators"].items():
+            self._generator_for(torch.device(device)).set_state(gen_state)
+
+    def __repr__(self) -> str:
+        return (
+            f"DPOptimizer({type(self.original_optimizer).__name__}, sigma={self.noise_multiplier:g}, "
+            f"C={self.max_grad_norm:g}, q={self.sample_rate:g}, steps={self.steps_taken})"
+        )
+
+
+def noisy_clipped_gradient(
+    engine: ClippingEngine,
+    per_example_losses: Tensor,
+    *,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    generator: torch.Generator | None = None,
+) -> ClipStats:
+    """The lower-level API: one call from per-example losses to a private gradient.
+
+    Sets every clipped parameter's ``.grad`` to
+    (sum_i c_i grad L_i + N(0, sigma^2 C^2 I)) / expected_batch_size,
+    ready for any optimizer's step. Record the step in your ledger yourself
+    (``ledger.record(q, sigma)``). ``generator`` None draws fresh OS entropy.
+    """
+    sigma = check_positive("noise_multiplier", noise_multiplier)
+    divisor = check_positive("expected_batch_size", expected_batch_size)
+    params = engine.parameters()
+    for p in params:
+        p.grad = None
+    stats = engine.backward(per_example_losses)
+    std = sigma * engine.max_grad_norm
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        gen = generator
+        if gen is None or gen.device != p.device:
+            gen, _ = _make_generator(None, p.device)
+        noise = torch.normal(0.0, std, size=p.shape, generator=gen, device=p.device, dtype=p.dtype)
+        p.grad.add_(noise).div_(divisor)
+    return stats

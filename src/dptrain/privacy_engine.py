@@ -1,0 +1,215 @@
+"""``make_private``: a model, an optimizer and data in; their private versions out.
+
+    private = make_private(model, optimizer, dataset, batch_size=256, max_grad_norm=1.0,
+                           target_epsilon=3.0, target_delta=1e-5, epochs=3)
+    for batch in private.data_loader:                 # Poisson-sampled logical batches
+        private.optimizer.zero_grad()
+        for x, y in batch.chunks:                     # physical chunks bound the memory
+            private.backward(per_example_cross_entropy(model(x), y))
+        private.optimizer.step()                      # noise once, step, ledger records
+    print(private.epsilon())
+
+The noise comes either from a target (epsilon, delta) over the planned steps
+(calibrated with the chosen accountant) or from a given noise multiplier.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dptrain._checks import check_delta, check_int, check_positive
+from dptrain.accounting import (
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    make_accountant,
+    sample_rate_from_batch,
+    steps_from_epochs,
+)
+from dptrain.clipping.engine import ClippingEngine, ClipStats
+from dptrain.data import DPDataLoader, LogicalBatch
+from dptrain.optim import DPOptimizer
+
+__all__ = ["PrivateTraining", "check_optimizer_matches", "make_private"]
+
+log = logging.getLogger(__name__)
+
+
+def check_optimizer_matches(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose parameters are not exactly the model's trainable ones."""
+    trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    in_opt = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for i, n in trainable.items() if i not in in_opt]
+    foreign = [f"tensor of shape {tuple(p.shape)}" for i, p in in_opt.items() if i not in trainable]
+    if missing or foreign:
+        parts = []
+        if missing:
+            parts.append(
+                "trainable model parameters the optimizer does not update: " + ", ".join(missing)
+            )
+        if foreign:
+            parts.append(
+                "optimizer parameters that are not trainable parameters of the model: "
+                + ", ".join(foreign)
+            )
+        raise ValueError("optimizer and model do not match: " + "; ".join(parts))
+
+
+class _PrivateLoader:
+    """Iterates the DP data loader and tells the optimizer each step's sample rate."""
+
+    def __init__(self, loader: DPDataLoader, optimizer: DPOptimizer):
+        self.loader = loader
+        self.optimizer = optimizer
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[LogicalBatch]:
+        for batch in self.loader:
+            self.optimizer.set_sample_rate(batch.sample_rate, self.loader.dataset_size)
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+
+@dataclass
+class PrivateTraining:
+    """What :func:`make_private` returns."""
+
+    model: nn.Module
+    optimizer: DPOptimizer
+    data_loader: _PrivateLoader
+    engine: ClippingEngine
+    ledger: PrivacyLedger
+    noise_multiplier: float
+    target_delta: float | None
+    accountant: str
+    steps: int
+
+    def backward(self, per_example_losses: Tensor) -> ClipStats:
+        """Clip this chunk's per-example gradients and add them to the step's sum."""
+        return self.engine.backward(per_example_losses)
+
+    def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
+        """epsilon spent so far (from the ledger), at ``delta`` (default: the target delta)."""
+        delta = self.target_delta if delta is None else delta
+        if delta is None:
+            raise ValueError("delta=None: give delta= (no target_delta was set)")
+        return make_accountant(accountant or self.accountant, self.ledger).epsilon(delta)
+
+
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Any,
+    *,
+    batch_size: int,
+    max_grad_norm: float,
+    epochs: float | None = None,
+    steps: int | None = None,
+    target_epsilon: float | None = None,
+    target_delta: float | None = None,
+    noise_multiplier: float | None = None,
+    clipping: str = "flat",
+    mode: str = "book_keeping",
+    norm_method: str = "auto",
+    accountant: str = "pld",
+    max_physical_batch_size: int | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    seed: int | None = None,
+    privacy_unit: str = "example",
+    ledger: PrivacyLedger | None = None,
+) -> PrivateTraining:
+    """Make ``model``, ``optimizer`` and ``data`` private (DP-SGD / DP-Adam with Poisson sampling).
+
+    Args:
+        data: a map-style Dataset, or a DataLoader whose dataset (and collate_fn) are used.
+        batch_size: the expected logical batch size B; q = B / N.
+        max_grad_norm: the clipping norm C.
+        epochs / steps: the training length (one of them).
+        target_epsilon, target_delta: calibrate sigma so the planned steps meet them; or
+        noise_multiplier: use this sigma (then target_delta is only for reporting).
+        clipping, mode, norm_method: see :class:`dptrain.clipping.ClippingEngine`.
+        accountant: ``pld`` (default), ``rdp`` or ``gdp`` for calibration and reports.
+        max_physical_batch_size: chunk size for memory (default: B).
+        seed: fixes the sampling and the noise; None draws from the OS (logged).
+        ledger: continue an existing ledger (a resumed run).
+    """
+    dataset = getattr(data, "dataset", data)
+    if collate_fn is None and isinstance(data, torch.utils.data.DataLoader):
+        collate_fn = data.collate_fn
+    n = len(dataset)
+    q = sample_rate_from_batch(batch_size, n)
+    if (epochs is None) == (steps is None):
+        raise ValueError(f"epochs={epochs!r}, steps={steps!r}: give exactly one of them")
+    total_steps = (
+        steps_from_epochs(epochs, q) if epochs is not None else check_int("steps", steps, 1)
+    )
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError(
+            f"target_epsilon={target_epsilon!r}, noise_multiplier={noise_multiplier!r}: "
+            "give exactly one of them"
+        )
+    if target_delta is not None:
+        target_delta = check_delta(target_delta, "target_delta")
+    if target_epsilon is not None:
+        if target_delta is None:
+            raise ValueError("target_delta=None: a target_epsilon needs a target_delta")
+        sigma = calibrate_noise_multiplier(
+            target_epsilon, target_delta, sample_rate=q, steps=total_steps, accountant=accountant
+        )
+        log.info(
+            "noise multiplier %.4f for (%g, %g)-DP over %d steps at q=%.4g (%s)",
+            sigma,
+            target_epsilon,
+            target_delta,
+            total_steps,
+            q,
+            accountant,
+        )
+    else:
+        sigma = check_positive("noise_multiplier", noise_multiplier)
+    check_optimizer_matches(model, optimizer)
+    engine = ClippingEngine(
+        model, max_grad_norm, clipping=clipping, mode=mode, norm_method=norm_method
+    )
+    ledger = ledger if ledger is not None else PrivacyLedger(privacy_unit=privacy_unit)
+    dp_optimizer = DPOptimizer(
+        optimizer,
+        noise_multiplier=sigma,
+        max_grad_norm=max_grad_norm,
+        expected_batch_size=q * n,
+        sample_rate=q,
+        ledger=ledger,
+        seed=seed,
+        max_steps=ledger.num_steps + total_steps if target_epsilon is not None else None,
+    )
+    loader = DPDataLoader(
+        dataset,
+        q,
+        total_steps,
+        max_physical_batch_size or batch_size,
+        collate_fn=collate_fn,
+        seed=seed,
+    )
+    return PrivateTraining(
+        model=model,
+        optimizer=dp_optimizer,
+        data_loader=_PrivateLoader(loader, dp_optimizer),
+        engine=engine,
+        ledger=ledger,
+        noise_multiplier=sigma,
+        target_delta=target_delta,
+        accountant=accountant,
+        steps=total_steps,
+    )

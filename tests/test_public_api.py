@@ -15,6 +15,19 @@ MODULES = [
     "dptrain.accounting.noise",
     "dptrain.cli",
     "dptrain.accounting_demo",
+    "dptrain.clipping",
+    "dptrain.clipping.engine",
+    "dptrain.clipping.functions",
+    "dptrain.clipping.oracle",
+    "dptrain.clipping.phantom",
+    "dptrain.clipping.rules",
+    "dptrain.data",
+    "dptrain.data.poisson",
+    "dptrain.losses",
+    "dptrain.models",
+    "dptrain.models.gpt",
+    "dptrain.optim",
+    "dptrain.privacy_engine",
 ]
 
 

@@ -164,14 +164,14 @@ class ClippingEngine:
             rule = find_rule(module)
             if rule is None:
                 continue
+            for attr in rule.param_names:
+                p = getattr(module, attr, None)
+                if isinstance(p, nn.Parameter) and p.requires_grad:
+                    covered.add(id(p))  # reported below if the module is refused
             why = rule.check(module)
             if why is not None:
                 reasons.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
                 continue
-            for attr in rule.param_names:
-                p = getattr(module, attr, None)
-                if isinstance(p, nn.Parameter) and p.requires_grad:
-                    covered.add(id(p))
             uses[module] = _Use(name, module, rule)
         missing = [
             f"{name} ({_owner_type(model, name)})"

@@ -1,0 +1,129 @@
+"""Every layer rule, both clipping modes and both norm methods, against the oracle."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from tests.clipping.oracle_check import assert_engine_matches_oracle
+
+MODES = ["book_keeping", "ghost"]
+NORM_METHODS = ["ghost", "instantiate"]
+DTYPES = [torch.float64, torch.float32]
+
+shapes = st.fixed_dictionaries(
+    {
+        "batch": st.integers(0, 4),
+        "tokens": st.integers(1, 5),
+        "d_in": st.integers(1, 6),
+        "d_out": st.integers(1, 6),
+        "seed": st.integers(0, 2**16),
+    }
+)
+
+
+class Head(nn.Module):
+    """layer -> tanh -> fixed random readout: a nonlinear per-example loss."""
+
+    def __init__(self, layer: nn.Module, d_out: int, seq: bool):
+        super().__init__()
+        self.layer = layer
+        self.register_buffer("readout", torch.randn(d_out))
+        self.seq = seq
+
+    def forward(self, x):
+        y = torch.tanh(self.layer(x)) @ self.readout
+        return y.sum(1) if self.seq else y
+
+
+def run(layer, inputs, d_out, seq, mode, norm_method, dtype, clipping="flat"):
+    model = Head(layer, d_out, seq).to(dtype)
+    if inputs.is_floating_point():
+        inputs = inputs.to(dtype)
+
+    def losses_of(sl):
+        return model(inputs[sl]) ** 2
+
+    assert_engine_matches_oracle(
+        model,
+        losses_of,
+        inputs.shape[0],
+        mode=mode,
+        norm_method=norm_method,
+        dtype=dtype,
+        clipping=clipping,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("norm_method", NORM_METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@given(s=shapes)
+def test_linear_on_sequences(mode, norm_method, dtype, bias, s):
+    torch.manual_seed(s["seed"])
+    layer = nn.Linear(s["d_in"], s["d_out"], bias=bias)
+    x = torch.randn(s["batch"], s["tokens"], s["d_in"])
+    run(layer, x, s["d_out"], True, mode, norm_method, dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(s=shapes)
+def test_linear_on_vectors(mode, dtype, s):
+    torch.manual_seed(s["seed"])
+    layer = nn.Linear(s["d_in"], s["d_out"])
+    x = torch.randn(s["batch"], s["d_in"])
+    run(layer, x, s["d_out"], False, mode, "auto", dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("padding_idx", [None, 0])
+@given(s=shapes, vocab=st.integers(2, 7))
+def test_embedding(mode, dtype, padding_idx, s, vocab):
+    torch.manual_seed(s["seed"])
+    layer = nn.Embedding(vocab, s["d_out"], padding_idx=padding_idx)
+    ids = torch.randint(0, vocab, (s["batch"], s["tokens"]))  # repeats and padding occur
+    run(layer, ids, s["d_out"], True, mode, "auto", dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["layernorm", "layernorm-no-bias", "rmsnorm"])
+@given(s=shapes)
+def test_norm_layers(mode, dtype, kind, s):
+    torch.manual_seed(s["seed"])
+    d = s["d_in"] + 1  # a norm over one feature is constant
+    if kind == "rmsnorm":
+        layer = nn.RMSNorm(d, eps=1e-6)
+    else:
+        layer = nn.LayerNorm(d, bias=kind == "layernorm")
+    with torch.no_grad():  # non-trivial affine parameters
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    x = torch.randn(s["batch"], s["tokens"], d) * 2 + 0.5
+    run(layer, x, d, True, mode, "auto", dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("norm_method", NORM_METHODS)
+@given(s=shapes)
+def test_hf_conv1d(mode, norm_method, s):
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(s["seed"])
+    layer = conv1d(s["d_out"], s["d_in"])  # Conv1D(nf=out, nx=in)
+    with torch.no_grad():
+        layer.bias.normal_()
+    x = torch.randn(s["batch"], s["tokens"], s["d_in"])
+    run(layer, x, s["d_out"], True, mode, norm_method, torch.float64)
+
+
+def test_frozen_parameters_are_skipped():
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    layer.bias.requires_grad_(False)
+    x = torch.randn(5, 2, 4)
+    run(layer, x, 3, True, "book_keeping", "auto", torch.float64)
+    assert layer.bias.grad is None

@@ -1,0 +1,132 @@
+"""make_private end to end on the reference GPT."""
+
+import re
+
+import pytest
+import torch
+
+from dptrain.losses import per_example_cross_entropy
+from dptrain.models import GPT, GPTConfig
+from dptrain.optim import PrivacyBudgetExhaustedError
+from dptrain.privacy_engine import make_private
+
+
+def setup(seed=0, tied=True, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(
+        vocab_size=50,
+        max_seq_len=16,
+        n_layer=1,
+        n_head=2,
+        d_model=16,
+        d_mlp=32,
+        tie_embeddings=tied,
+    )
+    model = GPT(cfg).to(dtype)
+    ids = torch.randint(0, 50, (200, 9))
+    data = torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, data
+
+
+def train(private, model):
+    for batch in private.data_loader:
+        private.optimizer.zero_grad()
+        for x, y in batch.chunks:
+            private.backward(per_example_cross_entropy(model(x), y))
+        private.optimizer.step()
+
+
+def test_target_epsilon_is_met_and_budget_enforced():
+    model, opt, data = setup()
+    private = make_private(
+        model,
+        opt,
+        data,
+        batch_size=20,
+        max_grad_norm=1.0,
+        epochs=1,
+        target_epsilon=4.0,
+        target_delta=1e-5,
+        max_physical_batch_size=8,
+        seed=1,
+    )
+    train(private, model)
+    assert private.ledger.num_steps == private.steps == len(private.data_loader) == 10
+    assert private.optimizer.steps_taken == 10
+    assert private.epsilon() <= 4.0
+    assert private.epsilon() > 3.5  # the calibration does not waste budget
+    with pytest.raises(PrivacyBudgetExhaustedError):
+        private.optimizer.step()
+
+
+def test_physical_chunk_size_does_not_change_the_result():
+    def run(chunk):
+        model, opt, data = setup(dtype=torch.float64)
+        private = make_private(
+            model,
+            opt,
+            data,
+            batch_size=30,
+            max_grad_norm=0.5,
+            steps=3,
+            noise_multiplier=1.0,
+            max_physical_batch_size=chunk,
+            seed=7,
+        )
+        train(private, model)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.allclose(run(100), run(7), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+def test_training_lowers_the_loss_with_little_noise(mode):
+    model, _, data = setup(tied=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    x, y = data.tensors
+    with torch.no_grad():
+        before = float(per_example_cross_entropy(model(x), y).mean())
+    private = make_private(
+        model,
+        opt,
+        data,
+        batch_size=100,
+        max_grad_norm=1.0,
+        steps=30,
+        noise_multiplier=0.01,
+        mode=mode,
+        seed=0,
+    )
+    train(private, model)
+    with torch.no_grad():
+        after = float(per_example_cross_entropy(model(x), y).mean())
+    assert after < before - 0.3
+
+
+def test_argument_errors():
+    model, opt, data = setup()
+    with pytest.raises(ValueError, match=re.escape("epochs=1, steps=5: give exactly one of them")):
+        make_private(
+            model,
+            opt,
+            data,
+            batch_size=10,
+            max_grad_norm=1.0,
+            epochs=1,
+            steps=5,
+            noise_multiplier=1.0,
+        )
+    with pytest.raises(
+        ValueError, match=re.escape("target_delta=None: a target_epsilon needs a target_delta")
+    ):
+        make_private(
+            model, opt, data, batch_size=10, max_grad_norm=1.0, epochs=1, target_epsilon=1.0
+        )
+    with pytest.raises(
+        ValueError,
+        match=re.escape("batch_size=500 is not allowed: expected at most dataset_size=200"),
+    ):
+        make_private(
+            model, opt, data, batch_size=500, max_grad_norm=1.0, epochs=1, noise_multiplier=1.0
+        )

@@ -474,10 +474,14 @@ def profile_markdown(workload: str, method: str = "dptrain-bk", top: int = 10) -
         if e.key.startswith(("phase:", "engine:", "optimizer:")) and e.cpu_time_total > 0
     ]
     step_total = sum(e.cpu_time_total for e in phases if e.key.startswith("phase:")) or 1.0
-    for e in phases:
-        lines.append(
-            f"| {e.key} | {e.cpu_time_total / 1e6:.3f} | {e.cpu_time_total / step_total:.0%} |"
-        )
+    rows = [(e.key, e.cpu_time_total) for e in phases]
+    inclusive = dict(rows)
+    if "phase: engine.backward" in inclusive:
+        labelled = sum(v for k, v in rows if k.startswith("engine:"))
+        rest = inclusive["phase: engine.backward"] - labelled
+        rows.append(("engine: the rest (autograd.grad to the outputs, clip factors)", rest))
+    for key, v in rows:
+        lines.append(f"| {key} | {v / 1e6:.3f} | {v / step_total:.0%} |")
     lines += [
         "",
         f"Top {top} operators by self CPU time:",
@@ -677,6 +681,14 @@ def write_markdown(
         "+ dptrain engine; + Opacus), so import costs are part of the plain peak. Peak "
         "increment = peak minus `ru_maxrss` right after model + optimizer (+ make_private) "
         "creation; increment ratio = increment / non-private increment.",
+        "- `dptrain-instantiate` is skipped where its per-example gradients (largest Linear, "
+        "lm_head, float32, plus their square) would exceed "
+        f"{INSTANTIATE_LIMIT_BYTES / 1e9:.0f} GB; estimates here: "
+        + ", ".join(
+            f"{w} {instantiate_bytes(WORKLOADS[w][0], WORKLOADS[w][2]) / 1e9:.2f} GB"
+            for w in dict.fromkeys(r.workload for r in records)
+        )
+        + ".",
         "- dptrain: `ClippingEngine(model, 1.0, mode=...)`, `DPOptimizer(AdamW, "
         "noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B, sample_rate=0.01, "
         "seed=0)`, per-example summed cross-entropy. Opacus 1.6: `make_private(..., "

@@ -268,12 +268,14 @@ def noisy_clipped_gradient(
         p.grad = None
     stats = engine.backward(per_example_losses)
     std = sigma * engine.max_grad_norm
+    generators = {generator.device: generator} if generator is not None else {}
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        gen = generator
-        if gen is None or gen.device != p.device:
-            gen, _ = _make_generator(None, p.device)
-        noise = torch.normal(0.0, std, size=p.shape, generator=gen, device=p.device, dtype=p.dtype)
+        if p.device not in generators:
+            generators[p.device], _ = _make_generator(None, p.device)
+        noise = torch.normal(
+            0.0, std, size=p.shape, generator=generators[p.device], device=p.device, dtype=p.dtype
+        )
         p.grad.add_(noise).div_(divisor)
     return stats

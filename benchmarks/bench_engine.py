@@ -480,6 +480,19 @@ def profile_markdown(workload: str, method: str = "dptrain-bk", top: int = 10) -
         labelled = sum(v for k, v in rows if k.startswith("engine:"))
         rest = inclusive["phase: engine.backward"] - labelled
         rows.append(("engine: the rest (autograd.grad to the outputs, clip factors)", rest))
+    order = (
+        "phase: forward",
+        "phase: loss",
+        "phase: backward",
+        "phase: engine.backward",
+        "engine: collect",
+        "engine: per-example",
+        "engine: book-keeping",
+        "engine: the rest",
+        "phase: optimizer step",
+        "optimizer: add noise",
+    )
+    rows.sort(key=lambda kv: next(i for i, p in enumerate((*order, "")) if kv[0].startswith(p)))
     for key, v in rows:
         lines.append(f"| {key} | {v / 1e6:.3f} | {v / step_total:.0%} |")
     lines += [
@@ -513,7 +526,7 @@ def profile_markdown(workload: str, method: str = "dptrain-bk", top: int = 10) -
         "| --- | --- | ---: | ---: |",
     ]
     for e in by_shape[:top]:
-        shapes = ", ".join(str(tuple(s)) for s in e.input_shapes if s) or "-"
+        shapes = ", ".join(str(tuple(s)) for s in e.input_shapes if s) or "(tensor list)"
         lines.append(f"| `{e.key}` | {shapes} | {e.count} | {e.self_cpu_time_total / 1e6:.3f} |")
     return "\n".join(lines)
 
@@ -536,7 +549,8 @@ def run_profile_subprocess(workload: str, method: str) -> str:
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return f"(profile of {method} on {workload} failed: {tail})"
-    return proc.stdout.strip()
+    # the profiler's own trace lines (USDT: ...) are not part of the summary
+    return "\n".join(ln for ln in proc.stdout.strip().splitlines() if not ln.startswith("USDT:"))
 
 
 # -- reporting ------------------------------------------------------------------------------------

@@ -130,3 +130,28 @@ def test_argument_errors():
         make_private(
             model, opt, data, batch_size=500, max_grad_norm=1.0, epochs=1, noise_multiplier=1.0
         )
+
+
+def test_growing_batch_size_is_calibrated_and_recorded_as_scheduled():
+    model, opt, data = setup()
+
+    def batch_size(step):  # quadruple over the run, in two stages
+        return 10 if step < 4 else 40
+
+    private = make_private(
+        model,
+        opt,
+        data,
+        batch_size=batch_size,
+        max_grad_norm=1.0,
+        steps=8,
+        target_epsilon=5.0,
+        target_delta=1e-5,
+        max_physical_batch_size=16,
+        seed=3,
+    )
+    train(private, model)
+    segments = [(s.sample_rate, s.count) for s in private.ledger.segments]
+    assert segments == [(10 / 200, 4), (40 / 200, 4)]
+    assert private.epsilon() <= 5.0
+    assert private.epsilon() > 4.5

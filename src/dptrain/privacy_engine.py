@@ -60,6 +60,19 @@ def check_optimizer_matches(model: nn.Module, optimizer: torch.optim.Optimizer) 
         raise ValueError("optimizer and model do not match: " + "; ".join(parts))
 
 
+def _segments(rates: list[float], steps: int) -> list[tuple[float, int]]:
+    """Run-length (q, steps) segments of a per-step rate list (one rate: constant)."""
+    if len(rates) == 1:
+        return [(rates[0], steps)]
+    segments: list[tuple[float, int]] = []
+    for q in rates:
+        if segments and segments[-1][0] == q:
+            segments[-1] = (q, segments[-1][1] + 1)
+        else:
+            segments.append((q, 1))
+    return segments
+
+
 class _PrivateLoader:
     """Iterates the DP data loader and tells the optimizer each step's sample rate."""
 
@@ -113,7 +126,7 @@ def make_private(
     optimizer: torch.optim.Optimizer,
     data: Any,
     *,
-    batch_size: int,
+    batch_size: int | Callable[[int], int],
     max_grad_norm: float,
     epochs: float | None = None,
     steps: int | None = None,
@@ -134,7 +147,9 @@ def make_private(
 
     Args:
         data: a map-style Dataset, or a DataLoader whose dataset (and collate_fn) are used.
-        batch_size: the expected logical batch size B; q = B / N.
+        batch_size: the expected logical batch size B (q = B / N), or a function
+            step -> B for a growing batch size (Anil et al. 2021; needs ``steps``):
+            calibration and the ledger then follow the schedule step by step.
         max_grad_norm: the clipping norm C.
         epochs / steps: the training length (one of them).
         target_epsilon, target_delta: calibrate sigma so the planned steps meet them; or
@@ -149,12 +164,25 @@ def make_private(
     if collate_fn is None and isinstance(data, torch.utils.data.DataLoader):
         collate_fn = data.collate_fn
     n = len(dataset)
-    q = sample_rate_from_batch(batch_size, n)
     if (epochs is None) == (steps is None):
         raise ValueError(f"epochs={epochs!r}, steps={steps!r}: give exactly one of them")
-    total_steps = (
-        steps_from_epochs(epochs, q) if epochs is not None else check_int("steps", steps, 1)
-    )
+    if callable(batch_size):
+        if steps is None:
+            raise ValueError("a batch_size schedule needs steps= (epochs are ambiguous)")
+        total_steps = check_int("steps", steps, 1)
+        rates = [sample_rate_from_batch(batch_size(t), n) for t in range(total_steps)]
+        q = rates[0]
+        sample_rate: float | Callable[[int], float] = rates.__getitem__
+        first_batch = batch_size(0)
+    else:
+        q = sample_rate_from_batch(batch_size, n)
+        total_steps = (
+            steps_from_epochs(epochs, q) if epochs is not None else check_int("steps", steps, 1)
+        )
+        rates = [q]
+        sample_rate = q
+        first_batch = batch_size
+    schedule = _segments(rates, total_steps)
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ValueError(
             f"target_epsilon={target_epsilon!r}, noise_multiplier={noise_multiplier!r}: "
@@ -166,7 +194,7 @@ def make_private(
         if target_delta is None:
             raise ValueError("target_delta=None: a target_epsilon needs a target_delta")
         sigma = calibrate_noise_multiplier(
-            target_epsilon, target_delta, sample_rate=q, steps=total_steps, accountant=accountant
+            target_epsilon, target_delta, schedule=schedule, accountant=accountant
         )
         log.info(
             "noise multiplier %.4f for (%g, %g)-DP over %d steps at q=%.4g (%s)",
@@ -196,9 +224,9 @@ def make_private(
     )
     loader = DPDataLoader(
         dataset,
-        q,
+        sample_rate,
         total_steps,
-        max_physical_batch_size or batch_size,
+        max_physical_batch_size or first_batch,
         collate_fn=collate_fn,
         seed=seed,
     )

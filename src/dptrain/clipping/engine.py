@@ -340,7 +340,9 @@ class ClippingEngine:
                 a = use.rule.prepare(use.module, a)
                 a_parts.append(_upcast(a))
                 g_parts.append(_upcast(g).reshape(b, a.shape[1], -1))
-            if a_parts:
+            if len(a_parts) == 1:  # the usual case: no copy
+                records[use] = (a_parts[0], g_parts[0])
+            elif a_parts:
                 records[use] = (torch.cat(a_parts, 1), torch.cat(g_parts, 1))
         return records
 

@@ -106,7 +106,23 @@ class Accountant(abc.ABC):
         return f"{type(self).__name__}({self.ledger!r})"
 
 
-class PLDAccountant(Accountant):
+class _DpAccountingAccountant(Accountant):
+    """An accountant whose ``_build`` returns a composed ``dp_accounting`` accountant."""
+
+    def epsilon(self, delta: float) -> float:
+        delta = check_delta(delta)
+        if self.ledger.num_steps == 0:
+            return 0.0
+        return float(self._current().get_epsilon(delta))  # type: ignore[attr-defined]
+
+    def delta(self, epsilon: float) -> float:
+        epsilon = _check_epsilon_query(epsilon)
+        if self.ledger.num_steps == 0:
+            return 0.0
+        return float(self._current().get_delta(epsilon))  # type: ignore[attr-defined]
+
+
+class PLDAccountant(_DpAccountingAccountant):
     """Numerical composition of privacy loss distributions (``dp_accounting``).
 
     Args:
@@ -130,20 +146,8 @@ class PLDAccountant(Accountant):
         acc.compose(ledger_to_dp_event(self.ledger))
         return acc
 
-    def epsilon(self, delta: float) -> float:
-        delta = check_delta(delta)
-        if self.ledger.num_steps == 0:
-            return 0.0
-        return float(self._current().get_epsilon(delta))  # type: ignore[attr-defined]
 
-    def delta(self, epsilon: float) -> float:
-        epsilon = _check_epsilon_query(epsilon)
-        if self.ledger.num_steps == 0:
-            return 0.0
-        return float(self._current().get_delta(epsilon))  # type: ignore[attr-defined]
-
-
-class RDPAccountant(Accountant):
+class RDPAccountant(_DpAccountingAccountant):
     """Renyi DP of the subsampled Gaussian, converted to (epsilon, delta)."""
 
     name = "rdp"
@@ -167,18 +171,6 @@ class RDPAccountant(Accountant):
         if self.ledger.num_steps == 0:
             return np.zeros(len(self.orders))
         return np.asarray(self._current().rdp, dtype=float)  # type: ignore[attr-defined]
-
-    def epsilon(self, delta: float) -> float:
-        delta = check_delta(delta)
-        if self.ledger.num_steps == 0:
-            return 0.0
-        return float(self._current().get_epsilon(delta))  # type: ignore[attr-defined]
-
-    def delta(self, epsilon: float) -> float:
-        epsilon = _check_epsilon_query(epsilon)
-        if self.ledger.num_steps == 0:
-            return 0.0
-        return float(self._current().get_delta(epsilon))  # type: ignore[attr-defined]
 
 
 class GDPAccountant(Accountant):

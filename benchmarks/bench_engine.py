@@ -278,9 +278,7 @@ def time_workload(
             records[m].error = str(exc) if isinstance(exc, MethodSkippedError) else first_line(exc)
     times: dict[str, list[float]] = {m: [] for m in steps}
     rounds = WARMUP_STEPS + timed_steps
-    bar.total += rounds * len(methods)
     bar.update((len(methods) - len(steps)) * rounds)  # not run at all
-    bar.refresh()
     for r in range(rounds):
         alive = [m for m in methods if m in steps]
         k = r % len(alive) if alive else 0
@@ -640,6 +638,39 @@ def goals_markdown(checks: list[GoalCheck], records: list[Record]) -> str:
     return "\n".join(lines)
 
 
+def source_fingerprint() -> str:
+    """sha256 (12 hex digits) of the dptrain package sources this run measures."""
+    import hashlib
+
+    import dptrain
+
+    root = os.path.dirname(os.path.abspath(dptrain.__file__))
+    digest = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
+def git_description() -> str:
+    def git(*cmd: str) -> str:
+        return subprocess.run(
+            ["git", *cmd], capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    with contextlib.suppress(OSError):
+        commit = git("rev-parse", "--short", "HEAD")
+        if commit:
+            dirty = git("status", "--porcelain", "--", "src/dptrain")
+            return f"commit {commit}" + (" + uncommitted changes in src/dptrain" if dirty else "")
+    return "unknown commit"
+
+
 def machine_description() -> str:
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -669,6 +700,7 @@ def write_markdown(
     total_s: float,
     checks: list[GoalCheck],
     profiles: list[str],
+    provenance: list[str],
 ) -> None:
     versions = ", ".join(
         f"{p} {importlib.metadata.version(p)}" for p in ("torch", "opacus", "transformers")
@@ -680,6 +712,7 @@ def write_markdown(
         f"- Machine: {machine_description()}; Python {platform.python_version()}; {versions}",
         f"- Command: `{command_line()}`{' (quick mode)' if quick else ''}",
         f"- Total run time: {total_s / 60:.1f} min",
+        *provenance,
         "- Threads: `torch.set_num_threads(1)` in every process.",
         "- Model: `GPT(GPTConfig(vocab_size=8000, max_seq_len=512, n_layer=4, n_head=4, "
         "d_model=256, d_mlp=1024, dropout=0.0, tie_embeddings=...))`, AdamW(lr=1e-4); "
@@ -774,9 +807,15 @@ def main() -> None:
         f"{WARMUP_STEPS} warm-up + {timed_steps} timed steps each",
         file=sys.stderr,
     )
+    fingerprint, git_at_start, load_at_start = (
+        source_fingerprint(),
+        git_description(),
+        os.getloadavg(),
+    )
     start = time.perf_counter()
     all_records: list[Record] = []
-    with tqdm(total=0, desc="timing", unit="step", file=sys.stderr) as bar:
+    total_steps = len(workloads) * len(methods) * (WARMUP_STEPS + timed_steps)
+    with tqdm(total=total_steps, desc="timing", unit="step", file=sys.stderr) as bar:
         per_workload = [time_workload(w, methods, timed_steps, bar) for w in workloads]
     with tqdm(
         total=len(workloads) * len(methods), desc="memory", unit="proc", file=sys.stderr
@@ -796,6 +835,21 @@ def main() -> None:
             profiles.append(run_profile_subprocess(w, "dptrain-bk"))
         profiles.append(run_profile_subprocess(PROFILE_WORKLOAD, "nonprivate"))
     total_s = time.perf_counter() - start
+    load_at_end = os.getloadavg()
+    provenance = [
+        f"- dptrain sources: {git_at_start} at the start, sha256 {fingerprint} of "
+        "src/dptrain/**/*.py; "
+        + (
+            "unchanged at the end of the run."
+            if source_fingerprint() == fingerprint
+            else "**WARNING: the sources changed during the run** (now "
+            f"{git_description()}); timing and memory may come from different versions."
+        ),
+        f"- 1-minute load average: {load_at_start[0]:.2f} at the start, "
+        f"{load_at_end[0]:.2f} at the end (the benchmark itself keeps about one core busy).",
+    ]
+    for line in provenance:
+        print(line.removeprefix("- "), file=sys.stderr)
 
     table = markdown_table(all_records)
     print(table)
@@ -819,6 +873,7 @@ def main() -> None:
             total_s=total_s,
             checks=checks,
             profiles=profiles,
+            provenance=provenance,
         )
 
 

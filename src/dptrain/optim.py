@@ -57,6 +57,14 @@ class StepMetrics:
         return self.clipped_sum_norm / self.noise_norm if self.noise_norm > 0 else math.inf
 
 
+def _norm(t: Tensor) -> float:
+    """L2 norm, accumulated in at least float32."""
+    return float(torch.linalg.vector_norm(t.float() if t.dtype in _LOW_PRECISION else t))
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
 def _make_generator(seed: int | None, device: torch.device) -> tuple[torch.Generator, int]:
     g = torch.Generator(device=device)
     if seed is None:
@@ -172,16 +180,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            noise = torch.normal(
-                0.0,
-                std,
-                size=p.shape,
-                generator=self._generator_for(p.device),
-                device=p.device,
-                dtype=p.dtype,
-            )
-            signal_sq += float(p.grad.detach().float().pow(2).sum())
-            noise_sq += float(noise.float().pow(2).sum())
+            noise = torch.empty_like(p).normal_(0.0, std, generator=self._generator_for(p.device))
+            signal_sq += _norm(p.grad.detach()) ** 2
+            noise_sq += _norm(noise) ** 2
             p.grad.add_(noise).div_(k * self.expected_batch_size)
         return StepMetrics(
             step=self.steps_taken,
@@ -274,8 +275,6 @@ def noisy_clipped_gradient(
             p.grad = torch.zeros_like(p)
         if p.device not in generators:
             generators[p.device], _ = _make_generator(None, p.device)
-        noise = torch.normal(
-            0.0, std, size=p.shape, generator=generators[p.device], device=p.device, dtype=p.dtype
-        )
+        noise = torch.empty_like(p).normal_(0.0, std, generator=generators[p.device])
         p.grad.add_(noise).div_(divisor)
     return stats

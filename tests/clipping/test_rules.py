@@ -127,3 +127,12 @@ def test_frozen_parameters_are_skipped():
     x = torch.randn(5, 2, 4)
     run(layer, x, 3, True, "book_keeping", "auto", torch.float64)
     assert layer.bias.grad is None
+
+
+@pytest.mark.parametrize("tokens", [64, 71])  # the blocked Gram path, even and odd splits
+@pytest.mark.parametrize("mode", MODES)
+def test_linear_long_sequences_use_blocked_gram(tokens, mode):
+    torch.manual_seed(tokens)
+    layer = nn.Linear(5, 4)
+    x = torch.randn(3, tokens, 5)
+    run(layer, x, 4, True, mode, "ghost", torch.float64)

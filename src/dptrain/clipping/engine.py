@@ -137,6 +137,8 @@ class ClippingEngine:
         self._groups = self._group_params()
         self.layer_max_grad_norms = self._layer_thresholds(layer_max_grad_norms)
         self._batch_size: int | None = None
+        # Per-example gradients of instantiated modules, kept from the norms for the sum.
+        self._per_example: dict[_Use, dict[str, Tensor]] = {}
         self._handles = [model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)]
         for use in self._uses.values():
             self._handles.append(use.module.register_forward_hook(self._make_hook(use)))
@@ -322,6 +324,7 @@ class ClippingEngine:
         else:
             self._book_keeping(records, factors)
             self.clear()
+            self._per_example = {}
         return ClipStats(total.detach() / loss_scale, factors.detach(), self.max_grad_norm)
 
     def _records(
@@ -347,18 +350,24 @@ class ClippingEngine:
         return records
 
     def _ghost(self, use: _Use, a: Tensor, g: Tensor) -> bool:
-        if self.norm_method == "ghost":
-            return True
-        if self.norm_method == "instantiate":
-            return False
+        if use.rule.norm_choice != "either":
+            return use.rule.norm_choice == "ghost"
+        if self.norm_method != "auto":
+            return self.norm_method == "ghost"
         return use.rule.ghost_is_cheaper(use.module, a, g)
+
+    def _module_norms_sq(self, use: _Use, a: Tensor, g: Tensor) -> dict[str, Tensor]:
+        if self._ghost(use, a, g):
+            return use.rule.norms_sq(use.module, a, g, True)
+        per_example = use.rule.per_example(use.module, a, g)
+        if self.mode == "book_keeping":  # reused for the clipped sum
+            self._per_example[use] = per_example
+        return {k: v.flatten(1).pow(2).sum(1) for k, v in per_example.items()}
 
     def _norms_sq(self, records: dict[_Use, tuple[Tensor, Tensor]], b: int) -> dict[str, Tensor]:
         """Parameter name -> (B,) squared per-example gradient norms."""
-        per_module = {
-            use: use.rule.norms_sq(use.module, a, g, self._ghost(use, a, g))
-            for use, (a, g) in records.items()
-        }
+        self._per_example = {}
+        per_module = {use: self._module_norms_sq(use, a, g) for use, (a, g) in records.items()}
         out = {}
         for name, uses in self._groups.items():
             present = [(u, attr) for u, attr in uses if u in records]
@@ -425,10 +434,14 @@ class ClippingEngine:
             if len(uses) == 1 or _is_phantom(uses):
                 grad = None
                 for u, attr in present:
-                    if u not in sums or attr not in sums[u]:
-                        a, g = records[u]
-                        sums[u] = u.rule.clipped_sum(u.module, a, g, c)
-                    part = sums[u][attr]
+                    if u in self._per_example:
+                        pe = self._per_example[u][attr]
+                        part = torch.einsum("b,b...->...", c.to(pe.dtype), pe)
+                    else:
+                        if u not in sums:
+                            a, g = records[u]
+                            sums[u] = u.rule.clipped_sum(u.module, a, g, c)
+                        part = sums[u][attr]
                     grad = part if grad is None else grad + part
             else:
                 per_ex = self._shared_per_example(present, records)

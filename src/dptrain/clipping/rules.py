@@ -48,6 +48,9 @@ class LayerRule(abc.ABC):
 
     #: Parameter attribute names the rule handles, e.g. ("weight", "bias").
     param_names: tuple[str, ...] = ("weight", "bias")
+    #: How norms are computed: "ghost" (always), "instantiate" (always: small
+    #: per-example gradients), or "either" (the engine picks per call by cost).
+    norm_choice: str = "instantiate"
 
     def check(self, module: nn.Module) -> str | None:
         """A reason why this module cannot be clipped exactly, or None."""
@@ -72,8 +75,8 @@ class LayerRule(abc.ABC):
         """{name: sum_i factors[i] * grad_i}, without per-example gradients where possible."""
 
     def ghost_is_cheaper(self, module: nn.Module, a: Tensor, g: Tensor) -> bool:
-        """Li et al. 2022 (§4): ghost norm when 2 T^2 < d_in d_out (memory per example)."""
-        return False
+        """For ``norm_choice == "either"``: whether the ghost norm is the cheaper way."""
+        return self.norm_choice == "ghost"
 
 
 def _flatten_tokens(t: Tensor) -> Tensor:
@@ -81,11 +84,34 @@ def _flatten_tokens(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
+# From this many tokens on, the symmetric Gram matrices are formed in 2 x 2 blocks,
+# of which only 3 are needed: 3/4 of the multiply-adds.
+_HALF_GRAM_MIN_TOKENS = 64
+
+
 def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
-    """sum_{t,s} <x_t, x_s> <y_t, y_s> per example: the ghost norm, (B,)."""
-    if x.shape[1] == 1:  # T = 1: ||x||^2 ||y||^2, no T x T matrices
+    """sum_{t,s} <x_t, x_s> <y_t, y_s> per example: the ghost norm, (B,).
+
+    Both Gram matrices are symmetric, so with x = [x1; x2] (split along tokens)
+    the sum is <X11, Y11> + <X22, Y22> + 2 <X12, Y12>.
+    """
+    t = x.shape[1]
+    if t == 1:  # ||x||^2 ||y||^2, no T x T matrices
         return x.pow(2).sum((1, 2)) * y.pow(2).sum((1, 2))
-    return (torch.bmm(x, x.transpose(1, 2)) * torch.bmm(y, y.transpose(1, 2))).sum((1, 2))
+    if t < _HALF_GRAM_MIN_TOKENS:
+        return _block_inner(x, x, y, y)
+    h = t // 2
+    x1, x2, y1, y2 = x[:, :h], x[:, h:], y[:, :h], y[:, h:]
+    return (
+        _block_inner(x1, x1, y1, y1)
+        + _block_inner(x2, x2, y2, y2)
+        + 2 * _block_inner(x1, x2, y1, y2)
+    )
+
+
+def _block_inner(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor) -> Tensor:
+    """sum_{t,s} <xa_t, xb_s> <ya_t, yb_s>, (B,)."""
+    return (torch.bmm(xa, xb.transpose(1, 2)) * torch.bmm(ya, yb.transpose(1, 2))).sum((1, 2))
 
 
 class LinearRule(LayerRule):
@@ -93,8 +119,10 @@ class LinearRule(LayerRule):
 
     #: True for HF GPT-2's Conv1D, whose weight is stored transposed (d_in, d_out).
     transposed = False
+    norm_choice = "either"
 
     def ghost_is_cheaper(self, module: nn.Module, a: Tensor, g: Tensor) -> bool:
+        """Li et al. 2022 (§4): ghost norm when 2 T^2 < d_in d_out (memory per example)."""
         t = a.shape[1]
         return 2 * t * t < a.shape[-1] * g.shape[-1]
 
@@ -123,12 +151,17 @@ class LinearRule(LayerRule):
     def clipped_sum(self, module, a, g, factors):
         a, g = _flatten_tokens(a), _flatten_tokens(g)
         out = {}
-        scaled = g * factors.to(g.dtype)[:, None, None]  # (B, T, p)
+        c = factors.to(g.dtype)[:, None, None]
         if _trainable(module.weight):
-            w = scaled.flatten(0, 1).T @ a.flatten(0, 1)  # (p, d)
+            # sum_i c_i g_i^T a_i = g^T (c * a) = (c * g)^T a: scale the narrower operand
+            # (for an LM head a is (B, T, d) and g (B, T, vocab)).
+            if a.shape[-1] <= g.shape[-1]:
+                w = g.flatten(0, 1).T @ (a * c).flatten(0, 1)  # (p, d)
+            else:
+                w = (g * c).flatten(0, 1).T @ a.flatten(0, 1)
             out["weight"] = w.T if self.transposed else w
         if _trainable(getattr(module, "bias", None)):
-            out["bias"] = scaled.sum((0, 1))
+            out["bias"] = torch.einsum("b,bp->p", factors.to(g.dtype), g.sum(1))
         return out
 
 
@@ -146,6 +179,7 @@ class EmbeddingRule(LayerRule):
     """
 
     param_names = ("weight",)
+    norm_choice = "ghost"  # a per-example gradient would be vocab x d
 
     def check(self, module):
         if module.scale_grad_by_freq:

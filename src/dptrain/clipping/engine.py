@@ -312,11 +312,15 @@ class ClippingEngine:
         if self.clipping == "per_layer":
             factors, total = self._per_layer_factors(norms_sq, threshold)
         else:
-            total = torch.stack(list(norms_sq.values())).sum(0).sqrt()
+            total = (
+                torch.stack(list(norms_sq.values())).sum(0).sqrt()
+                if norms_sq
+                else torch.zeros(b)  # the losses did not depend on any clipped parameter
+            )
             factors = (
                 flat_factors(total, threshold)
                 if self.clipping == "flat"
-                else automatic_factors(total, threshold, self.gamma)
+                else automatic_factors(total, threshold, self.gamma * loss_scale)
             )
         if self.mode == "ghost":
             self.clear()

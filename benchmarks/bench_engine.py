@@ -776,6 +776,14 @@ def main() -> None:
     parser.add_argument("--markdown", metavar="PATH", help="write the report (markdown) here")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 9; quick 5)")
     parser.add_argument(
+        "--workloads", metavar="A,B", help=f"only these workloads (of {', '.join(WORKLOADS)})"
+    )
+    parser.add_argument(
+        "--methods",
+        metavar="A,B",
+        help=f"only these methods (of {', '.join(METHODS)}; nonprivate is always added)",
+    )
+    parser.add_argument(
         "--no-profile", action="store_true", help="do not profile when a goal is missed"
     )
     parser.add_argument("--profile", metavar="WORKLOAD", help="only profile one step, print it")
@@ -799,6 +807,18 @@ def main() -> None:
     torch.set_num_threads(1)
     workloads = QUICK_WORKLOADS if args.quick else tuple(WORKLOADS)
     methods = QUICK_METHODS if args.quick else METHODS
+    if args.workloads:
+        workloads = tuple(args.workloads.split(","))
+        bad = [w for w in workloads if w not in WORKLOADS]
+        if bad:
+            parser.error(
+                f"--workloads {','.join(bad)} not allowed: expected some of {list(WORKLOADS)}"
+            )
+    if args.methods:
+        methods = tuple(dict.fromkeys(("nonprivate", *args.methods.split(","))))
+        bad = [m for m in methods if m not in METHODS]
+        if bad:
+            parser.error(f"--methods {','.join(bad)} not allowed: expected some of {list(METHODS)}")
     timed_steps = args.steps or (5 if args.quick else 9)
     if timed_steps < 1:
         parser.error(f"--steps={timed_steps} is not allowed: expected an integer >= 1")

@@ -151,14 +151,13 @@ class LinearRule(LayerRule):
     def clipped_sum(self, module, a, g, factors):
         a, g = _flatten_tokens(a), _flatten_tokens(g)
         out = {}
-        c = factors.to(g.dtype)[:, None, None]
         if _trainable(module.weight):
             # sum_i c_i g_i^T a_i = g^T (c * a) = (c * g)^T a: scale the narrower operand
             # (for an LM head a is (B, T, d) and g (B, T, vocab)).
             if a.shape[-1] <= g.shape[-1]:
-                w = g.flatten(0, 1).T @ (a * c).flatten(0, 1)  # (p, d)
+                w = g.flatten(0, 1).T @ _scale_rows(a, factors).flatten(0, 1)  # (p, d)
             else:
-                w = (g * c).flatten(0, 1).T @ a.flatten(0, 1)
+                w = _scale_rows(g, factors).flatten(0, 1).T @ a.flatten(0, 1)
             out["weight"] = w.T if self.transposed else w
         if _trainable(getattr(module, "bias", None)):
             out["bias"] = torch.einsum("b,bp->p", factors.to(g.dtype), g.sum(1))
@@ -217,7 +216,7 @@ class EmbeddingRule(LayerRule):
         if not _trainable(module.weight):
             return {}
         x, g = a, self._masked(module, a, g)
-        scaled = (g * factors.to(g.dtype)[:, None, None]).flatten(0, 1)
+        scaled = _scale_rows(g, factors).flatten(0, 1)
         out = torch.zeros(module.num_embeddings, g.shape[-1], dtype=g.dtype, device=g.device)
         out.index_add_(0, x.flatten(), scaled)
         return {"weight": out}
@@ -256,6 +255,12 @@ class NormLayerRule(LayerRule):
             k: torch.einsum("b,b...->...", factors.to(v.dtype), v)
             for k, v in self.per_example(module, a, g).items()
         }
+
+
+def _scale_rows(x: Tensor, factors: Tensor) -> Tensor:
+    """x[i] * factors[i] for x (B, ...); as a 2-D product, about twice as fast on CPU
+    as broadcasting factors over (B, 1, 1)."""
+    return (x.reshape(x.shape[0], -1) * factors.to(x.dtype)[:, None]).view(x.shape)
 
 
 def _trainable(p: Tensor | None) -> bool:

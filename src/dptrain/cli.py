@@ -239,7 +239,7 @@ def _cmd_epsilon(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _noise_figures(ledger: PrivacyLedger, batch: int | None, clip: float) -> dict[str, Any]:
     if len(ledger) != 1:
-        return {"segments": [vars_of(s) for s in ledger.segments]}
+        return {"segments": [_segment_record(s) for s in ledger.segments]}
     (s,) = ledger.segments
     out = {
         "sample_rate": s.sample_rate,
@@ -253,7 +253,7 @@ def _noise_figures(ledger: PrivacyLedger, batch: int | None, clip: float) -> dic
     return out
 
 
-def vars_of(s: Any) -> dict[str, Any]:
+def _segment_record(s: Any) -> dict[str, Any]:
     return {"sample_rate": s.sample_rate, "noise_multiplier": s.noise_multiplier, "steps": s.count}
 
 

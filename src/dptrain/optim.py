@@ -28,7 +28,7 @@ from torch import Tensor
 
 from dptrain._checks import check_int, check_positive, check_sample_rate
 from dptrain.accounting import PrivacyLedger
-from dptrain.clipping.engine import ClippingEngine, ClipStats
+from dptrain.clipping.engine import ClippingEngine, ClipStats, upcast
 
 __all__ = ["DPOptimizer", "PrivacyBudgetExhaustedError", "StepMetrics", "noisy_clipped_gradient"]
 
@@ -59,10 +59,7 @@ class StepMetrics:
 
 def _norm(t: Tensor) -> float:
     """L2 norm, accumulated in at least float32."""
-    return float(torch.linalg.vector_norm(t.float() if t.dtype in _LOW_PRECISION else t))
-
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+    return float(torch.linalg.vector_norm(upcast(t)))
 
 
 def _make_generator(seed: int | None, device: torch.device) -> tuple[torch.Generator, int]:

@@ -15,6 +15,7 @@ The noise comes either from a target (epsilon, delta) over the planned steps
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,13 +65,7 @@ def _segments(rates: list[float], steps: int) -> list[tuple[float, int]]:
     """Run-length (q, steps) segments of a per-step rate list (one rate: constant)."""
     if len(rates) == 1:
         return [(rates[0], steps)]
-    segments: list[tuple[float, int]] = []
-    for q in rates:
-        if segments and segments[-1][0] == q:
-            segments[-1] = (q, segments[-1][1] + 1)
-        else:
-            segments.append((q, 1))
-    return segments
+    return [(q, len(list(run))) for q, run in itertools.groupby(rates)]
 
 
 class _PrivateLoader:

@@ -308,7 +308,7 @@ class ClippingEngine:
             losses.sum(), outputs, allow_unused=True, retain_graph=self.mode == "ghost"
         )
         records = self._records(active, grads, b)
-        norms_sq = self._norms_sq(records, b)
+        norms_sq = self._norms_sq(records)
         if self.clipping == "per_layer":
             factors, total = self._per_layer_factors(norms_sq, threshold)
         else:
@@ -345,8 +345,8 @@ class ClippingEngine:
                 if g is None:  # this call did not reach the loss
                     continue
                 a = use.rule.prepare(use.module, a)
-                a_parts.append(_upcast(a))
-                g_parts.append(_upcast(g).reshape(b, a.shape[1], -1))
+                a_parts.append(upcast(a))
+                g_parts.append(upcast(g).reshape(b, a.shape[1], -1))
             if len(a_parts) == 1:  # the usual case: no copy
                 records[use] = (a_parts[0], g_parts[0])
             elif a_parts:
@@ -368,7 +368,7 @@ class ClippingEngine:
             self._per_example[use] = per_example
         return {k: v.flatten(1).pow(2).sum(1) for k, v in per_example.items()}
 
-    def _norms_sq(self, records: dict[_Use, tuple[Tensor, Tensor]], b: int) -> dict[str, Tensor]:
+    def _norms_sq(self, records: dict[_Use, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
         """Parameter name -> (B,) squared per-example gradient norms."""
         self._per_example = {}
         per_module = {use: self._module_norms_sq(use, a, g) for use, (a, g) in records.items()}
@@ -468,7 +468,8 @@ def _is_phantom(uses: list[tuple[_Use, str]]) -> bool:
     )
 
 
-def _upcast(t: Tensor) -> Tensor:
+def upcast(t: Tensor) -> Tensor:
+    """float16/bfloat16 -> float32; other dtypes unchanged (norms and sums need the range)."""
     return t.float() if t.dtype in _LOW_PRECISION else t
 
 

@@ -137,13 +137,12 @@ class LinearRule(LayerRule):
         return out
 
     def norms_sq(self, module, a, g, ghost):
+        if not ghost:
+            return super().norms_sq(module, a, g, ghost)
         a, g = _flatten_tokens(a), _flatten_tokens(g)
         out = {}
         if _trainable(module.weight):
-            if ghost:
-                out["weight"] = _gram_inner(a, g)
-            else:
-                out["weight"] = torch.einsum("btp,btd->bpd", g, a).pow(2).sum((1, 2))
+            out["weight"] = _gram_inner(a, g)
         if _trainable(getattr(module, "bias", None)):
             out["bias"] = g.sum(1).pow(2).sum(1)
         return out

@@ -4,6 +4,8 @@ import pytest
 
 from dptrain.accounting import (
     ACCOUNTANTS,
+    PLDAccountant,
+    PrivacyLedger,
     calibrate_dpfp,
     calibrate_noise,
     calibrate_noise_multiplier,
@@ -90,3 +92,25 @@ def test_dpfp_gdp_route_is_the_closed_form():
     generic = calibrate_noise(2.0, 1e-5, sample_rate=0.002, steps=400, accountant="gdp")
     assert cal.noise_multiplier == pytest.approx(generic.noise_multiplier, rel=0.01)
     assert math.isclose(cal.epsilons["gdp"], 2.0, rel_tol=1e-6)
+
+
+def test_calibration_with_a_prior_ledger_bounds_the_composition():
+    """Steps already spent (a DP histogram) leave less budget: sigma grows, the total meets it."""
+    prior = PrivacyLedger()
+    prior.record(1.0, 20.0)  # one Gaussian mechanism, sigma 20 relative to its sensitivity
+    alone = calibrate_noise(3.0, 1e-5, sample_rate=0.1, steps=200)
+    after = calibrate_noise(3.0, 1e-5, sample_rate=0.1, steps=200, prior=prior)
+    assert after.noise_multiplier > alone.noise_multiplier
+    combined = prior.copy()
+    combined.record(0.1, after.noise_multiplier, 200)
+    assert PLDAccountant(combined).epsilon(1e-5) <= 3.0
+    failing = prior.copy()
+    failing.record(0.1, after.failing_noise_multiplier, 200)
+    assert PLDAccountant(failing).epsilon(1e-5) > 3.0
+
+
+def test_calibration_refuses_a_prior_that_spends_the_target():
+    prior = PrivacyLedger()
+    prior.record(1.0, 0.5)
+    with pytest.raises(ValueError, match=r"the prior steps alone spend epsilon .* under pld"):
+        calibrate_noise(1.0, 1e-5, sample_rate=0.1, steps=10, prior=prior)

@@ -22,12 +22,13 @@ training appends steps (results are cached per ledger state).
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from typing import ClassVar
 
 import dp_accounting
 import numpy as np
-from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.pld import privacy_loss_distribution
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dptrain._checks import check_delta, check_positive, check_real
@@ -139,12 +140,61 @@ class PLDAccountant(_DpAccountingAccountant):
         )
 
     def _build(self, segments: tuple[PrivateSteps, ...]) -> object:
-        acc = pld_privacy_accountant.PLDAccountant(
-            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-            value_discretization_interval=self.value_discretization_interval,
-        )
-        acc.compose(ledger_to_dp_event(self.ledger))
-        return acc
+        # The same operations as dp_accounting's PLDAccountant on ledger_to_dp_event
+        # (identity, then per segment the one-step PLD self-composed count times),
+        # with the one-step PLD cached: a run that asks for epsilon after every
+        # epoch rebuilds only the cheap self-composition.
+        pld = privacy_loss_distribution.identity(self.value_discretization_interval)
+        for s in segments:
+            if s.sample_rate == 1.0:
+                step = _gaussian_pld(
+                    s.noise_multiplier / math.sqrt(s.count), self.value_discretization_interval
+                )
+            else:
+                step = _subsampled_gaussian_pld(
+                    s.sample_rate, s.noise_multiplier, self.value_discretization_interval
+                ).self_compose(s.count)
+            pld = pld.compose(step)
+        return _PLDQueries(pld)
+
+
+class _PLDQueries:
+    """The get_epsilon / get_delta interface of a composed accountant, for one PLD."""
+
+    def __init__(self, pld: privacy_loss_distribution.PrivacyLossDistribution):
+        self.pld = pld
+
+    def get_epsilon(self, delta: float) -> float:
+        return self.pld.get_epsilon_for_delta(delta)
+
+    def get_delta(self, epsilon: float) -> float:
+        return self.pld.get_delta_for_epsilon(epsilon)
+
+
+_ADD_OR_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+@functools.lru_cache(maxsize=128)
+def _subsampled_gaussian_pld(
+    sample_rate: float, noise_multiplier: float, interval: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier,
+        value_discretization_interval=interval,
+        sampling_prob=sample_rate,
+        neighboring_relation=_ADD_OR_REMOVE,
+    )
+
+
+@functools.lru_cache(maxsize=128)
+def _gaussian_pld(
+    standard_deviation: float, interval: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=standard_deviation,
+        value_discretization_interval=interval,
+        neighboring_relation=_ADD_OR_REMOVE,
+    )
 
 
 class RDPAccountant(_DpAccountingAccountant):

@@ -82,10 +82,16 @@ def epsilon_of_schedule(
     delta: float,
     schedule: Schedule,
     accountant: str = "pld",
+    prior: PrivacyLedger | None = None,
     **accountant_options: object,
 ) -> float:
-    """epsilon of the steps ``schedule`` sharing ``noise_multiplier``."""
+    """epsilon of the steps ``schedule`` sharing ``noise_multiplier``, after ``prior`` if given."""
     ledger = PrivacyLedger.from_schedule(schedule, noise_multiplier)
+    if prior is not None:
+        combined = prior.copy()
+        for s in ledger.segments:
+            combined.record(s.sample_rate, s.noise_multiplier, s.count)
+        ledger = combined
     return make_accountant(accountant, ledger, **accountant_options).epsilon(delta)
 
 
@@ -98,11 +104,14 @@ def calibrate_noise(
     schedule: Schedule | None = None,
     accountant: str = "pld",
     rtol: float = 0.01,
+    prior: PrivacyLedger | None = None,
 ) -> NoiseCalibration:
     """Smallest noise multiplier (within ``rtol``) meeting (target_epsilon, delta).
 
     Give either ``sample_rate`` and ``steps`` or a ``schedule`` of (q, steps)
-    segments that share one sigma (e.g. a growing batch size).
+    segments that share one sigma (e.g. a growing batch size). ``prior``: steps
+    already spent on the same data (e.g. a DP histogram); the target then
+    bounds their composition with the schedule.
     """
     target = check_positive("target_epsilon", target_epsilon)
     delta = check_delta(delta)
@@ -124,7 +133,7 @@ def calibrate_noise(
         def g(log_sigma: float) -> float:
             if log_sigma not in memo:
                 memo[log_sigma] = epsilon_of_schedule(
-                    math.exp(log_sigma), delta, segments, accountant, **options
+                    math.exp(log_sigma), delta, segments, accountant, prior, **options
                 )
             return math.log(max(memo[log_sigma], 1e-300) / target)
 
@@ -134,6 +143,13 @@ def calibrate_noise(
     if accountant == "pld":
         stages.insert(0, ({"value_discretization_interval": _PLD_COARSE_INTERVAL}, _COARSE_RTOL))
 
+    if prior is not None and prior.num_steps:
+        spent = make_accountant(accountant, prior).epsilon(delta)
+        if spent >= target:
+            raise ValueError(
+                f"target_epsilon={target!r} is unreachable: the prior steps alone spend "
+                f"epsilon {spent:.4g} under {accountant}; allowed: a target above that"
+            )
     x = math.log(_gdp_guess(target, delta, segments))
     first_step = math.log(1.5)
     for options, stage_rtol in stages:
@@ -165,6 +181,7 @@ def calibrate_noise_multiplier(
     schedule: Schedule | None = None,
     accountant: str = "pld",
     rtol: float = 0.01,
+    prior: PrivacyLedger | None = None,
 ) -> float:
     """:func:`calibrate_noise`, returning only sigma."""
     return calibrate_noise(
@@ -175,6 +192,7 @@ def calibrate_noise_multiplier(
         schedule=schedule,
         accountant=accountant,
         rtol=rtol,
+        prior=prior,
     ).noise_multiplier
 
 

@@ -1,0 +1,143 @@
+"""Recipe configuration: a dataclass, a YAML file and ``key=value`` overrides.
+
+A recipe declares its settings as a dataclass with defaults (torchtune style).
+:func:`load_config` fills it from an optional YAML mapping, then from
+command-line overrides ``key=value``; every key is checked against the
+dataclass fields and every value against the field's type, so a typo or a
+wrong type is an error that names the key, never a silently ignored setting.
+
+Values are parsed as YAML scalars (``lr=3e-4``, ``tie=false``,
+``epsilons=[3, 8]`` or ``epsilons=3,8``, ``epsilon=null``) and then converted
+to the field type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+__all__ = ["ConfigError", "config_to_dict", "load_config", "parse_overrides", "save_config"]
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that the recipe cannot use."""
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """``["lr=1e-3", "model=gru"]`` -> ``{"lr": 0.001, "model": "gru"}`` (YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not allowed: expected key=value")
+        try:
+            out[key] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from None
+    return out
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """An instance of dataclass ``cls`` from defaults, the YAML file ``path``, then ``overrides``."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value")
+        values.update(loaded)
+    values.update(parse_overrides(overrides))
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {unknown} for {cls.__name__}: allowed keys are {sorted(fields)}"
+        )
+    converted = {k: _convert(k, v, hints[k]) for k, v in values.items()}
+    return cls(**converted)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """The dataclass as plain YAML/JSON-ready values (tuples become lists)."""
+    return {
+        k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()
+    }
+
+
+def save_config(config: Any, path: str | Path) -> None:
+    """Write the resolved configuration as YAML (it reloads with :func:`load_config`)."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+
+
+def _convert(key: str, value: Any, hint: Any) -> Any:
+    """``value`` as type ``hint``, or a ConfigError naming ``key``."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(key, value, option)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}={value!r} is not allowed: expected {_describe(hint)}") from None
+    if origin in (tuple, list):
+        if isinstance(value, str):
+            value = [v for v in (s.strip() for s in value.split(",")) if v]
+            value = [yaml.safe_load(v) for v in value]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}={value!r} is not allowed: expected {_describe(hint)}")
+        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis} or {Any}
+        items = [_convert(key, v, item) for v in value]
+        return tuple(items) if origin is tuple else items
+    if hint is Any:
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)  # e.g. a data name that YAML read as a number
+    raise ConfigError(f"{key}={value!r} is not allowed: expected {_describe(hint)}")
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if origin in (tuple, list):
+        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis} or {Any}
+        return f"a list of {_describe(item)}"
+    if hint is type(None):
+        return "null"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
+        hint, getattr(hint, "__name__", str(hint))
+    )

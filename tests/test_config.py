@@ -1,0 +1,76 @@
+"""Recipe configuration: YAML + key=value overrides checked against the dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from dptrain.config import ConfigError, load_config, parse_overrides, save_config
+
+
+@dataclass
+class _Config:
+    model: str = "dpformer"
+    epochs: int = 10
+    lr: float = 1e-3
+    tie: bool = True
+    epsilon: float | None = 8.0
+    delta: float | str = "1/N^1.1"
+    epsilons: tuple[float, ...] = (3.0, 8.0)
+
+
+def test_defaults_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("epochs: 20\nlr: 0.01\nmodel: gru\n")
+    cfg = load_config(_Config, path, ["lr=3e-4", "tie=false", "epsilon=null", "epsilons=[5, 10]"])
+    assert cfg == _Config(
+        model="gru", epochs=20, lr=3e-4, tie=False, epsilon=None, epsilons=(5.0, 10.0)
+    )
+
+
+def test_saved_config_reloads_to_the_same_values(tmp_path):
+    cfg = load_config(_Config, None, ["delta=1e-5", "epsilons=3,5,8"])
+    assert cfg.delta == 1e-5 and cfg.epsilons == (3.0, 5.0, 8.0)
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(_Config, tmp_path / "resolved.yaml") == cfg
+
+
+def test_int_given_to_float_field_becomes_float():
+    cfg = load_config(_Config, None, ["lr=1", "epsilon=3"])
+    assert isinstance(cfg.lr, float) and isinstance(cfg.epsilon, float)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("lrr=0.1", "unknown config key(s) ['lrr'] for _Config: allowed keys are"),
+        ("epochs=2.5", "epochs=2.5 is not allowed: expected an integer"),
+        ("tie=maybe", "tie='maybe' is not allowed: expected true/false"),
+        ("lr=fast", "lr='fast' is not allowed: expected a number"),
+        ("epsilon=high", "epsilon='high' is not allowed: expected a number or null"),
+        ("epochs", "override 'epochs' is not allowed: expected key=value"),
+        ("epsilons=[a]", "epsilons='a' is not allowed: expected a number"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(_Config, None, [override])
+    assert message in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(_Config, tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(_Config, tmp_path / "list.yaml")
+
+
+def test_parse_overrides_reads_yaml_scalars():
+    assert parse_overrides(["a=1", "b=x", "c=", "d=[1, 2]"]) == {
+        "a": 1,
+        "b": "x",
+        "c": "",
+        "d": [1, 2],
+    }

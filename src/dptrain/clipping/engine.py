@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from dptrain._checks import check_positive
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
+from dptrain.clipping.outside_use import OutsideUseCheck
 from dptrain.clipping.phantom import phantom_cross_term
 from dptrain.clipping.rules import EmbeddingRule, LayerRule, LinearRule, find_rule
 
@@ -139,7 +140,15 @@ class ClippingEngine:
         self._batch_size: int | None = None
         # Per-example gradients of instantiated modules, kept from the norms for the sum.
         self._per_example: dict[_Use, dict[str, Tensor]] = {}
-        self._handles = [model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)]
+        self._handles = [
+            model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
+            # always_call: a forward that raises must still leave the check's mode
+            model.register_forward_hook(self._root_hook, always_call=True),
+        ]
+        # The first forward with gradients is checked for parameters used outside
+        # their modules (see dptrain.clipping.outside_use); later ones are not.
+        self._outside_check: OutsideUseCheck | None = None
+        self._checked = False
         for use in self._uses.values():
             self._handles.append(use.module.register_forward_hook(self._make_hook(use)))
 
@@ -245,6 +254,33 @@ class ClippingEngine:
 
     def _root_pre_hook(self, module, args, kwargs):
         self._batch_size = _batch_size_of(args, kwargs)
+        if not self._checked and torch.is_grad_enabled() and self._outside_check is None:
+            owners = {}
+            for name, uses in self._groups.items():
+                p = getattr(uses[0][0].module, uses[0][1])
+                owners[id(p)] = (name, tuple(u.module for u, _ in uses))
+            self._outside_check = OutsideUseCheck(owners)
+            if module in self._uses:  # the root is clipped itself: its pre-hook is already past
+                self._outside_check.running.append(module)
+            self._outside_check.__enter__()
+
+    def _root_hook(self, module, args, output):
+        check = self._outside_check
+        if check is None:
+            return
+        check.__exit__(None, None, None)
+        check.remove_hooks()
+        self._outside_check = None
+        self._checked = output is not None  # a forward that raised is checked again next time
+        if check.found:
+            self.clear()
+            uses = ", ".join(f"{name} (in {func})" for name, func in check.found.items())
+            raise UnsupportedModelError(
+                "dptrain refuses to train this model: parameters used outside the forward "
+                f"of the module that owns them: {uses}. Their gradient through that use would "
+                "escape per-example clipping. Move the computation into a module the engine "
+                "clips (e.g. an nn.Linear), or register a rule for the module that uses them."
+            )
 
     def _make_hook(self, use: _Use):
         def hook(module, args, output):

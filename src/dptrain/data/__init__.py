@@ -7,6 +7,9 @@
 - Sequences for next-item prediction (:class:`SequenceData`): MovieLens-100k or
   any interaction file preprocessed as in SASRec (one record per user), and
   next-word prediction on the packaged news corpus (one record per text chunk).
+- Text classification (:class:`TextClassificationData`): Rotten Tomatoes,
+  Women's Clothing reviews or any CSV/TSV/JSONL/Parquet, with seeded
+  stratified splits; the packaged MiniLM encoder's path and tokenizer.
 """
 
 from dptrain.data.news import load_news, news_articles_path, read_news_articles, tokenize
@@ -19,15 +22,30 @@ from dptrain.data.sequences import (
     preprocess_sasrec,
     read_interactions,
 )
+from dptrain.data.text_classification import (
+    TextClassificationData,
+    load_minilm_tokenizer,
+    load_rotten_tomatoes,
+    load_text_file,
+    load_womens_clothing,
+    minilm_path,
+    tokenize_texts,
+)
 
 __all__ = [
     "DPDataLoader",
     "LogicalBatch",
     "PoissonBatchSampler",
     "SequenceData",
+    "TextClassificationData",
     "load_interaction_file",
+    "load_minilm_tokenizer",
     "load_movielens_100k",
     "load_news",
+    "load_rotten_tomatoes",
+    "load_text_file",
+    "load_womens_clothing",
+    "minilm_path",
     "movielens_100k_path",
     "news_articles_path",
     "preprocess_sasrec",
@@ -35,4 +53,5 @@ __all__ = [
     "read_news_articles",
     "split_physical",
     "tokenize",
+    "tokenize_texts",
 ]

@@ -44,7 +44,6 @@ summary of one dptrain-bk step (``--profile WORKLOAD`` runs it alone).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -52,7 +51,6 @@ import math
 import os
 import platform
 import resource
-import shlex
 import statistics
 import subprocess
 import sys
@@ -64,6 +62,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from _harness import command_line, git_description, machine_description, run_fresh
 from dptrain.models.gpt import GPT, GPTConfig
 
 VOCAB = 8000
@@ -313,10 +312,6 @@ def time_workload(
 # -- memory ---------------------------------------------------------------------------------------
 
 
-def _maxrss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 def measure_memory_child(workload: str, method: str) -> None:
     """Hidden mode: build, run MEMORY_STEPS steps, print {"maxrss_kib", ...} as JSON."""
     torch.set_num_threads(1)
@@ -332,27 +327,8 @@ def measure_memory_child(workload: str, method: str) -> None:
     print(json.dumps(out))
 
 
-_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
-
-
 def measure_memory(workload: str, method: str) -> dict:
-    # Linux keeps ru_maxrss across execve, and a vfork()ed child execs from this
-    # (large) process's address space, whose peak it would inherit. A small Python
-    # launcher (no torch) starts the measuring process instead, so the peak it
-    # reports is its own.
-    cmd = [sys.executable, os.path.abspath(__file__), "--measure-memory", workload, method]
-    proc = subprocess.run(
-        [sys.executable, "-S", "-c", _LAUNCHER, *cmd],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"memory process failed (exit {proc.returncode}): {tail}"}
+    return run_fresh(__file__, "--measure-memory", workload, method, what="memory")
 
 
 def add_memory(records: dict[str, Record], bar) -> None:
@@ -655,40 +631,6 @@ def source_fingerprint() -> str:
                 with open(path, "rb") as f:
                     digest.update(f.read())
     return digest.hexdigest()[:12]
-
-
-def git_description() -> str:
-    def git(*cmd: str) -> str:
-        return subprocess.run(
-            ["git", *cmd], capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    with contextlib.suppress(OSError):
-        commit = git("rev-parse", "--short", "HEAD")
-        if commit:
-            dirty = git("status", "--porcelain", "--", "src/dptrain")
-            return f"commit {commit}" + (" + uncommitted changes in src/dptrain" if dirty else "")
-    return "unknown commit"
-
-
-def machine_description() -> str:
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    gpu = "no GPU" if not torch.cuda.is_available() else torch.cuda.get_device_name(0)
-    return f"{os.cpu_count()}-core CPU ({model}), {gpu}"
-
-
-def command_line() -> str:
-    exe = sys.executable
-    with contextlib.suppress(ValueError):
-        rel = os.path.relpath(exe)
-        if not rel.startswith(".."):
-            exe = rel
-    return shlex.join([exe, *sys.argv])
 
 
 def write_markdown(

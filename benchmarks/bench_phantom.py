@@ -55,22 +55,20 @@ than the interleaved medians).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
 import os
 import platform
-import resource
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+
+from _harness import command_line, git_description, machine_description, maxrss_mb, run_fresh
 
 LR = 1e-3
 SEED = 0
@@ -273,20 +271,16 @@ def time_workload(
 # -- fresh processes: peak memory and batch-size probes ------------------------------------------
 
 
-def _maxrss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 def child_memory(n_items: int, batch_size: int, method: str) -> None:
     """Hidden mode: build, run MEMORY_STEPS steps, print {"peak_mb", "baseline_mb"} as JSON."""
     torch.set_num_threads(1)
     out: dict = {"n_items": n_items, "batch_size": batch_size, "method": method}
     try:
         step, _ = build_step(n_items, batch_size, method)
-        out["baseline_mb"] = _maxrss_mb()
+        out["baseline_mb"] = maxrss_mb()
         for _ in range(MEMORY_STEPS):
             step()
-        out["peak_mb"] = _maxrss_mb()
+        out["peak_mb"] = maxrss_mb()
     except Exception as exc:
         out["error"] = first_line(exc)
     print(json.dumps(out))
@@ -303,36 +297,17 @@ def child_probe(n_items: int, batch_size: int, method: str, cap_mb: float) -> No
             step()
             out["step_time_s"] = time.perf_counter() - start
             out["steps"] = i + 1
-            if _maxrss_mb() > cap_mb:
+            if maxrss_mb() > cap_mb:
                 break  # already over the cap: no need for the next step
-        out["peak_mb"] = _maxrss_mb()
+        out["peak_mb"] = maxrss_mb()
     except (MemoryError, RuntimeError) as exc:  # an allocation that failed outright
-        out["peak_mb"] = _maxrss_mb()
+        out["peak_mb"] = maxrss_mb()
         out["error"] = first_line(exc)
     print(json.dumps(out))
 
 
-_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
-
-
 def run_child(*args: str) -> dict:
-    # Linux keeps ru_maxrss across execve, and a vfork()ed child execs from this
-    # (large) process's address space, whose peak it would inherit. A small Python
-    # launcher (no torch) starts the measuring process instead, so the peak it
-    # reports is its own.
-    cmd = [sys.executable, os.path.abspath(__file__), *args]
-    proc = subprocess.run(
-        [sys.executable, "-S", "-c", _LAUNCHER, *cmd],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"child process failed (exit {proc.returncode}): {tail}"}
+    return run_fresh(__file__, *args)
 
 
 def add_memory(records: dict[str, Record]) -> None:
@@ -474,39 +449,6 @@ def markdown_table(records: list[Record]) -> str:
             f"| {_fmt(r.max_batch_ratio, '.2f', 'x')} | {note} |"
         )
     return "\n".join(lines)
-
-
-def machine_description() -> str:
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    return f"{os.cpu_count()}-core CPU ({model})"
-
-
-def command_line() -> str:
-    exe = sys.executable
-    with contextlib.suppress(ValueError):
-        rel = os.path.relpath(exe)
-        if not rel.startswith(".."):
-            exe = rel
-    return shlex.join([exe, *sys.argv])
-
-
-def git_description() -> str:
-    def git(*cmd: str) -> str:
-        return subprocess.run(
-            ["git", *cmd], capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    with contextlib.suppress(OSError):
-        commit = git("rev-parse", "--short", "HEAD")
-        if commit:
-            dirty = git("status", "--porcelain", "--", "src/dptrain")
-            return f"commit {commit}" + (" + uncommitted changes in src/dptrain" if dirty else "")
-    return "unknown commit"
 
 
 def write_markdown(path: str, records: list[Record], settings: list[str]) -> None:

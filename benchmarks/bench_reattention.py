@@ -36,13 +36,14 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+
+from _harness import run_fresh
 
 N_ITEMS = 1682
 N_USERS = 943
@@ -163,25 +164,8 @@ def measure_memory_child(config: str) -> None:
     print(json.dumps(out))
 
 
-_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
-
-
 def measure_memory(config: str) -> dict:
-    # ru_maxrss survives execve, and a child forked from this (large) process would
-    # inherit its peak: a small launcher without torch starts the measuring process.
-    cmd = [sys.executable, os.path.abspath(__file__), "--measure-memory", config]
-    proc = subprocess.run(
-        [sys.executable, "-S", "-c", _LAUNCHER, *cmd],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"memory process failed (exit {proc.returncode}): {tail}"}
+    return run_fresh(__file__, "--measure-memory", config, what="memory")
 
 
 def environment() -> dict:

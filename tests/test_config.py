@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from dptrain.config import ConfigError, load_config, parse_overrides, save_config
+from dptrain.config import ConfigError, convert_values, load_config, parse_overrides, save_config
 
 
 @dataclass
@@ -74,3 +74,18 @@ def test_parse_overrides_reads_yaml_scalars():
         "c": "",
         "d": [1, 2],
     }
+
+
+def test_a_single_number_for_a_list_field_is_a_one_element_list():
+    assert load_config(_Config, None, ["epsilons=3"]).epsilons == (3.0,)
+
+
+def test_convert_values_checks_without_constructing():
+    assert convert_values(_Config, {"lr": 1, "epsilons": "3,8"}) == {
+        "lr": 1.0,
+        "epsilons": (3.0, 8.0),
+    }
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['lrr'\]"):
+        convert_values(_Config, {"lrr": 1})
+    with pytest.raises(ConfigError, match="lr='fast' is not allowed"):
+        convert_values(_Config, {"lr": "fast"})

@@ -329,3 +329,208 @@ def test_trainer_bad_arguments() -> None:
     ):
         trainer.fit(BernoulliMicroBatches(10, 4, 2, 1, seed=0))
     assert isinstance(trainer.ledger, PrivacyLedger)
+
+
+# -- fused micro-batches ------------------------------------------------------------
+
+
+def _collate64(records: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _collate(records)
+    return x.double(), y
+
+
+def _fusion_pair(*, trainable: bool, lr: float = 0.5) -> tuple[DPFPTrainer, DPFPTrainer, list]:
+    """Two trainers on identical float64 models and data, unfused and fused.
+
+    The DP-FP layer's noise is made negligible (noise_multiplier 1e-12 after construction;
+    the trainer refuses 0 and the ledger needs > 0): both paths then compute the same
+    function of the same weights, so the updates must agree to float64 rounding.
+    """
+    data = _data(60)
+    pair = []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        encoder = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8)).double()
+        head = nn.Linear(8, 2).double()
+        params = list(head.parameters()) + (list(encoder.parameters()) if trainable else [])
+        trainer = DPFPTrainer(
+            encoder,
+            head,
+            DPForwardLayer(0.7, 1.0, seed=5),  # C small enough that some rows are clipped
+            torch.optim.SGD(params, lr=lr),
+            nn.functional.cross_entropy,
+            data,
+            _collate64,
+            sample_rate=0.05,
+            micro_batches=5,
+            encoder_trainable=trainable,
+            fuse_micro_batches=fuse,
+        )
+        trainer.dp_layer.noise_multiplier = 1e-12
+        pair.append(trainer)
+    return pair[0], pair[1], data
+
+
+def _params(trainer: DPFPTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in [*trainer.encoder.parameters(), *trainer.head.parameters()]]
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_fused_micro_batches_give_the_same_step(trainable: bool) -> None:
+    plain, fused, data = _fusion_pair(trainable=trainable)
+    assert not plain.fuse_micro_batches and fused.fuse_micro_batches
+    x, _ = _collate64(data)
+    norms = torch.linalg.vector_norm(plain.encoder(x), dim=1)
+    assert (norms > 0.7).any() and (norms < 0.7).any()  # clipping is exercised both ways
+    before = _params(plain)
+    steps = [
+        [[0, 1, 2], [], [5], [7, 9, 11, 13], []],  # empties between and at the end
+        [[], [3], [4, 8], [], [20, 21, 22, 23, 24, 25]],  # an empty first
+        [[], [], [], [], [59]],
+    ]
+    for micro in steps:
+        a, b = plain.step(micro), fused.step(micro)
+        assert a.micro_batch_sizes == b.micro_batch_sizes == [len(ix) for ix in micro]
+        assert a.updated and b.updated
+        # the loss: mean over the non-empty micro-batches of each one's mean loss
+        assert b.loss == pytest.approx(a.loss, rel=1e-10)
+        for p, q in zip(
+            [*plain.encoder.parameters(), *plain.head.parameters()],
+            [*fused.encoder.parameters(), *fused.head.parameters()],
+            strict=True,
+        ):
+            if p.grad is None:
+                assert q.grad is None and not trainable
+                continue
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-10, atol=1e-12)
+    after = _params(fused)
+    moved = [not torch.equal(x0, x1) for x0, x1 in zip(before, after, strict=True)]
+    assert any(moved[-2:])  # the head trained
+    assert any(moved[:-2]) == trainable  # the encoder only when trainable
+    assert plain.ledger == fused.ledger and fused.ledger.num_steps == 3 * 5
+    assert plain.steps_taken == fused.steps_taken == 3
+
+
+def test_fused_step_loss_is_the_mean_of_micro_batch_means() -> None:
+    _, fused, data = _fusion_pair(trainable=False)
+    micro = [[0, 1, 2], [], [5], [7, 9], []]
+    with torch.no_grad():
+        means = []
+        for ix in (ix for ix in micro if ix):
+            x, y = _collate64([data[i] for i in ix])
+            h = fused.dp_layer.clip(fused.encoder(x))
+            means.append(float(nn.functional.cross_entropy(fused.head(h), y)))
+    result = fused.step(micro)
+    # not the mean over the 6 records: micro-batch [0, 1, 2] weighs as much as [5]
+    assert result.loss == pytest.approx(sum(means) / 3, rel=1e-10)
+
+
+def test_fused_all_empty_step_records_but_does_not_update() -> None:
+    _, fused, _ = _fusion_pair(trainable=True)
+    before = _params(fused)
+    result = fused.step([[], [], [], [], []])
+    assert not result.updated and math.isnan(result.loss)
+    assert result.micro_batch_sizes == [0] * 5
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(fused), strict=True))
+    assert fused.ledger.num_steps == 5 and fused.steps_taken == 1
+
+
+def test_fused_noise_is_per_row_and_reproducible() -> None:
+    """With real noise, fused steps are reproducible from the seed and differ from no noise."""
+    results = []
+    for _ in range(2):
+        _, fused, _ = _fusion_pair(trainable=False)
+        fused.dp_layer.noise_multiplier = 1.0
+        fused.step([[0, 1], [], [2, 3, 4], [5], []])
+        results.append(_params(fused))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    _, quiet, _ = _fusion_pair(trainable=False)
+    quiet.step([[0, 1], [], [2, 3, 4], [5], []])
+    assert not torch.allclose(results[0][-2], _params(quiet)[-2])
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None])
+def test_fuse_micro_batches_must_be_a_bool(value) -> None:
+    head = nn.Linear(8, 2)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"fuse_micro_batches={value!r} is not allowed: expected True or False"),
+    ):
+        DPFPTrainer(
+            nn.Linear(4, 8), head, DPForwardLayer(1.0, 1.0, seed=0),
+            torch.optim.SGD(head.parameters(), lr=0.1), nn.functional.cross_entropy,
+            _data(10), _collate, sample_rate=0.1, micro_batches=2, fuse_micro_batches=value,
+        )  # fmt: skip
+
+
+def test_fused_refuses_targets_that_are_not_a_tensor() -> None:
+    def list_collate(records):
+        return torch.stack([r[0] for r in records]), [r[1] for r in records]
+
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out, torch.as_tensor(y))
+
+    data = _data(10)
+    trainers = []
+    for fuse in (False, True):
+        head = nn.Linear(8, 2)
+        trainer = DPFPTrainer(
+            nn.Linear(4, 8), head, DPForwardLayer(1.0, 1.0, seed=0),
+            torch.optim.SGD(head.parameters(), lr=0.1), loss_fn, data, list_collate,
+            sample_rate=0.1, micro_batches=2, fuse_micro_batches=fuse,
+        )  # fmt: skip
+        trainers.append(trainer)
+    assert trainers[0].step([[0, 1], [2]]).updated  # unfused: any targets the loss takes
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "targets of type list is not allowed with fuse_micro_batches=True: expected a "
+            "Tensor whose rows follow the records"
+        ),
+    ):
+        trainers[1].step([[0, 1], [2]])
+
+
+def test_fused_matches_unfused_on_a_padded_bert_encoder() -> None:
+    """The recipe's use: a BERT encoder with mean pooling, micro-batches padded to different
+    widths when run alone than when fused; the attention mask makes the rows independent."""
+    transformers = pytest.importorskip("transformers")
+    from dptrain.models.text_classifier import PooledEncoder
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 9, 5, 2, 7, 4]
+    records = [(torch.randint(5, 30, (n,), generator=g), i % 2) for i, n in enumerate(lengths)]
+
+    def collate(recs):
+        width = max(len(x) for x, _ in recs)
+        ids = torch.zeros(len(recs), width, dtype=torch.long)
+        mask = torch.zeros(len(recs), width, dtype=torch.long)
+        for row, (x, _) in enumerate(recs):
+            ids[row, : len(x)], mask[row, : len(x)] = x, 1
+        return {"input_ids": ids, "attention_mask": mask}, torch.tensor([y for _, y in recs])
+
+    pair = []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        cfg = transformers.BertConfig(
+            vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=16, max_position_embeddings=16, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        encoder = PooledEncoder(transformers.BertModel(cfg, add_pooling_layer=False), "mean")
+        encoder = encoder.double()
+        head = nn.Linear(8, 2).double()
+        trainer = DPFPTrainer(
+            encoder, head, DPForwardLayer(1.0, 1.0, seed=0),
+            torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.1),
+            nn.functional.cross_entropy, records, collate, sample_rate=0.2, micro_batches=3,
+            encoder_trainable=True, fuse_micro_batches=fuse,
+        )  # fmt: skip
+        trainer.dp_layer.noise_multiplier = 1e-12
+        pair.append(trainer)
+    micro = [[0, 3], [], [1, 2, 4, 5]]
+    a, b = pair[0].step(micro), pair[1].step(micro)
+    assert b.loss == pytest.approx(a.loss, rel=1e-9)
+    for p, q in zip(pair[0].encoder.parameters(), pair[1].encoder.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-8, atol=1e-12)

@@ -38,11 +38,14 @@ MODULES = [
     "dptrain.models.rnn",
     "dptrain.models.seqrec_transformer",
     "dptrain.models.reattention",
+    "dptrain.models.text_classifier",
     "dptrain.optim",
     "dptrain.privacy_engine",
     "dptrain.recipes",
     "dptrain.recipes.seqrec",
     "dptrain.recipes.dpformer_experiment",
+    "dptrain.recipes.classify",
+    "dptrain.recipes.dpfp_experiment",
 ]
 
 

@@ -5,7 +5,10 @@
     dptrain calibrate-dpfp  DP-FP Algorithm 1 noise, with every accountant's epsilon
     dptrain search-cost     privacy cost of a hyperparameter search
     dptrain train seqrec    train one sequential recommender (config + key=value overrides)
+    dptrain train classify  private text classification: --method nonprivate | dpsgd |
+                            dpsgd-head | dpfp | dpfp-finetune (config + key=value overrides)
     dptrain experiment dpformer   the DPFormer Table 1 grid (models x epsilon x seeds)
+    dptrain experiment dpfp       DP-FP vs DP-SGD vs non-private (methods x epsilon x seeds)
     dptrain demo            the main job: a short DPFormer experiment on MovieLens-100k
     dptrain accounting-demo the accounting demo (table + plot)
 
@@ -134,12 +137,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("accounting-demo", help="the accounting demo: tables and a plot")
     p.add_argument("--out", default="runs/accounting-demo", help="folder for the plot and JSON")
 
-    p = sub.add_parser("train", help="train with a recipe: dptrain train seqrec [key=value ...]")
-    p.add_argument("recipe", choices=["seqrec"])
+    p = sub.add_parser(
+        "train", help="train with a recipe: dptrain train {seqrec,classify} [key=value ...]"
+    )
+    p.add_argument("recipe", choices=["seqrec", "classify"])
+    p.add_argument(
+        "--method", help="classify only: nonprivate, dpsgd, dpsgd-head, dpfp or dpfp-finetune"
+    )
+    p.add_argument(
+        "--accountant",
+        help="calibration accountant (pld default; gdp = the DP-FP paper's CLT route)",
+    )
     _add_config_arguments(p)
 
-    p = sub.add_parser("experiment", help="run an experiment grid: dptrain experiment dpformer")
-    p.add_argument("experiment", choices=["dpformer"])
+    p = sub.add_parser(
+        "experiment", help="run an experiment grid: dptrain experiment {dpformer,dpfp}"
+    )
+    p.add_argument("experiment", choices=["dpformer", "dpfp"])
     _add_config_arguments(p)
 
     p = sub.add_parser(
@@ -472,14 +486,19 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
     command = "dptrain " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.command == "train":
-        from dptrain.config import load_config
-        from dptrain.recipes.seqrec import SeqRecTrainConfig, train_seqrec
+        return _train(args)
+    if args.command == "experiment" and args.experiment == "dpfp":
+        from dptrain.recipes.dpfp_experiment import (
+            load_dpfp_experiment_config,
+            run_dpfp_experiment,
+        )
 
-        cfg = load_config(SeqRecTrainConfig, args.config, args.overrides)
-        results = train_seqrec(cfg)
-        keys = ("model", "epsilon", "delta", "ndcg@10", "hit@10", "mrr", "best_epoch")
-        print(format_table(keys, [[results[k] for k in keys]]))
-        print(f"run folder: {cfg.out} (results.json, metrics.jsonl, plots/)")
+        path = args.config or configs_dir() / "dpfp_experiment.yaml"
+        cfg = load_dpfp_experiment_config(path, args.overrides)
+        run_dpfp_experiment(cfg, command)
+        out = Path(cfg.out)
+        print((out / "table.md").read_text())
+        print(f"plots: {out}/accuracy_vs_*.png; runs: {out}/<method>/<epsilon>/seed<k>/")
         return 0
     from dptrain.recipes.dpformer_experiment import (
         load_experiment_config,
@@ -500,10 +519,42 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    """``dptrain train seqrec|classify``: one run of a recipe."""
+    from dptrain.config import load_config
+
+    flags = {"method": args.method, "accountant": args.accountant}
+    if args.recipe != "classify" and args.method is not None:
+        raise ValueError(f"--method={args.method!r} is not allowed: it is for 'train classify'")
+    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
+    if args.recipe == "seqrec":
+        from dptrain.recipes.seqrec import SeqRecTrainConfig, train_seqrec
+
+        cfg = load_config(SeqRecTrainConfig, args.config, overrides)
+        results = train_seqrec(cfg)
+        keys = ("model", "epsilon", "delta", "ndcg@10", "hit@10", "mrr", "best_epoch")
+    else:
+        from dptrain.recipes.classify import ClassifyTrainConfig, train_classify
+
+        cfg = load_config(ClassifyTrainConfig, args.config, overrides)
+        results = train_classify(cfg)
+        keys = ("method", "accuracy", "dev_accuracy", "epsilon", "delta", "best_epoch")
+        print(results["privacy_scope_detail"])
+    print(format_table(keys, [[results[k] for k in keys]]))
+    print(f"run folder: {cfg.out} (results.json, metrics.jsonl, plots/)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dptrain`` command; returns the exit code (2 for bad input)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # key=value overrides may follow flags (train classify --method dpfp epsilon=3), which
+    # argparse leaves unparsed once the positional list has been filled before the flags.
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in e and e[0] != "-" for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "accounting-demo":
             from dptrain.accounting_demo import run_demo

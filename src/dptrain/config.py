@@ -22,7 +22,14 @@ from typing import Any, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "config_to_dict", "load_config", "parse_overrides", "save_config"]
+__all__ = [
+    "ConfigError",
+    "config_to_dict",
+    "convert_values",
+    "load_config",
+    "parse_overrides",
+    "save_config",
+]
 
 T = TypeVar("T")
 
@@ -58,15 +65,24 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value")
         values.update(loaded)
     values.update(parse_overrides(overrides))
+    return cls(**convert_values(cls, values))
+
+
+def convert_values(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` checked against dataclass ``cls``'s fields and converted to their types.
+
+    Unknown keys and wrong types are a :class:`ConfigError` naming the key. The
+    dataclass is not constructed (an experiment keeps training values as given
+    and builds one config per run).
+    """
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - fields)
     if unknown:
         raise ConfigError(
             f"unknown config key(s) {unknown} for {cls.__name__}: allowed keys are {sorted(fields)}"
         )
-    converted = {k: _convert(k, v, hints[k]) for k, v in values.items()}
-    return cls(**converted)
+    return {k: _convert(k, v, hints[k]) for k, v in values.items()}
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
@@ -100,6 +116,8 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
         if isinstance(value, str):
             value = [v for v in (s.strip() for s in value.split(",")) if v]
             value = [yaml.safe_load(v) for v in value]
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            value = [value]  # epsilons=3: a one-element list
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}={value!r} is not allowed: expected {_describe(hint)}")
         (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis} or {Any}

@@ -220,3 +220,112 @@ def test_a_forward_that_raises_leaves_no_check_behind():
     assert not _get_current_function_mode_stack()
     with pytest.raises(UnsupportedModelError, match=r"fc\.bias \(in add\)"):
         model(torch.randn(2, 4))  # the next forward is still checked
+
+
+# -- the batch size of a model called with a container ------------------------------------
+
+
+class DictBatchModel(nn.Module):
+    """Token ids in a dict, a shared position table (positions of shape (T,)), a linear head."""
+
+    def __init__(self, vocab=11, width=4, max_len=8):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(max_len, width)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, batch):
+        ids = batch["input_ids"] if isinstance(batch, dict) else batch.input_ids
+        pos = self.positions(torch.arange(ids.shape[1]).unsqueeze(0))  # (1, T, k)
+        h = torch.tanh(self.tokens(ids) + pos) * batch_mask(batch).unsqueeze(-1)
+        return self.out(h.sum(1))
+
+
+def batch_mask(batch):
+    return (batch["attention_mask"] if isinstance(batch, dict) else batch.attention_mask).double()
+
+
+class Wrapper(nn.Module):
+    """Passes its batch on, however it came: model(batch), model((batch,)), model(batch=...)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, batch=None):
+        if batch is None:
+            batch = args[0][0] if isinstance(args[0], tuple) else args[0]
+        return self.inner(batch)
+
+
+CALLS = {
+    "dict": lambda model, batch: model(batch),
+    "dict in a tuple": lambda model, batch: model((batch,)),
+    "dict as a keyword": lambda model, batch: model(batch=batch),
+}
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+@pytest.mark.parametrize("how", list(CALLS))
+def test_batch_size_is_found_inside_a_dict_batch(mode, how):
+    from dptrain.losses import per_example_cross_entropy
+    from tests.clipping.oracle_check import assert_engine_matches_oracle
+
+    torch.manual_seed(0)
+    model = Wrapper(DictBatchModel().double())
+    ids = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    y = torch.tensor([0, 2, 1, 1])
+
+    def losses_of(sl):
+        # a batch-size-1 tensor comes first in the dict: input_ids is still the one read
+        batch = {"labels": y[sl][:1], "attention_mask": mask[sl], "input_ids": ids[sl]}
+        return per_example_cross_entropy(CALLS[how](model, batch), y[sl])
+
+    assert_engine_matches_oracle(model, losses_of, 4, mode=mode)
+
+
+def test_batch_size_of_containers():
+    from dptrain.clipping.engine import _batch_size_of
+
+    ids, mask, one = torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(1)
+    assert _batch_size_of(({"input_ids": ids},), {}) == 3
+    # usual input names first, inside a mapping too
+    assert _batch_size_of(({"labels": one, "input_ids": ids},), {}) == 3
+    assert _batch_size_of(([torch.tensor(2.0), (mask,)],), {}) == 3  # scalars are skipped
+    assert _batch_size_of((), {"batch": {"attention_mask": mask}}) == 3
+    assert _batch_size_of((object(), {"x": ids}), {}) == 3
+    assert _batch_size_of(({"n": 3},), {}) is None
+
+
+class Inputs:
+    """A container the engine does not look into: the batch size stays unknown."""
+
+    def __init__(self, input_ids, attention_mask):
+        self.input_ids = input_ids
+        self.attention_mask = attention_mask
+
+
+def test_output_whose_first_dimension_is_not_the_batch_size_is_refused():
+    # Batch size unknown at the forward: the (1, T) position lookup is not expanded per
+    # example, and its (1, T, k) output would mix the examples' gradients.
+    model = DictBatchModel().double()
+    engine = ClippingEngine(model, 1.0)
+    ids = torch.randint(0, 11, (3, 6), generator=torch.Generator().manual_seed(0))
+    out = model(Inputs(ids, torch.ones(3, 6, dtype=torch.long)))
+    losses = nn.functional.cross_entropy(out, torch.tensor([0, 1, 2]), reduction="none")
+    with refuses(
+        "module positions (Embedding) produced an output of shape (1, 6, 4) for 3 per-example "
+        "losses: its first dimension is not the batch size, so its per-example gradients would "
+        "be mixed (if the model takes its inputs in an unusual container, pass input_ids= or a "
+        "tensor as the first argument)"
+    ):
+        engine.backward(losses)
+    assert all(p.grad is None for p in model.parameters())  # nothing half-added
+    # the same model called with a dict is clipped: the positions are expanded per example
+    batch = {"input_ids": ids, "attention_mask": torch.ones(3, 6, dtype=torch.long)}
+    losses = nn.functional.cross_entropy(model(batch), torch.tensor([0, 1, 2]), reduction="none")
+    engine.backward(losses)
+    assert model.positions.weight.grad is not None
+    engine.detach()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -380,6 +381,14 @@ class ClippingEngine:
                 i += 1
                 if g is None:  # this call did not reach the loss
                     continue
+                if g.dim() == 0 or g.shape[0] != b:
+                    raise UnsupportedModelError(
+                        f"module {use.name} ({type(use.module).__name__}) produced an output of "
+                        f"shape {tuple(g.shape)} for {b} per-example losses: its first dimension "
+                        "is not the batch size, so its per-example gradients would be mixed (if "
+                        "the model takes its inputs in an unusual container, pass input_ids= or "
+                        "a tensor as the first argument)"
+                    )
                 a = use.rule.prepare(use.module, a)
                 a_parts.append(upcast(a))
                 g_parts.append(upcast(g).reshape(b, a.shape[1], -1))
@@ -509,14 +518,30 @@ def upcast(t: Tensor) -> Tensor:
     return t.float() if t.dtype in _LOW_PRECISION else t
 
 
+_BATCH_KEYS = ("input_ids", "inputs_embeds", "input", "x", "idx")
+
+
 def _batch_size_of(args: tuple, kwargs: dict) -> int | None:
-    for key in ("input_ids", "inputs_embeds", "input", "x", "idx"):
+    """The batch size of the root model's call: its usual input names first, then any tensor.
+
+    Inputs may come in a dict, list or tuple (e.g. a tokenizer's batch dict), searched in order.
+    """
+    for key in _BATCH_KEYS:
         v = kwargs.get(key)
         if isinstance(v, Tensor) and v.dim() > 0:
             return int(v.shape[0])
     for v in (*args, *kwargs.values()):
-        if isinstance(v, Tensor) and v.dim() > 0:
-            return int(v.shape[0])
+        if isinstance(v, Tensor):
+            if v.dim() > 0:
+                return int(v.shape[0])
+        elif isinstance(v, Mapping):
+            found = _batch_size_of((), dict(v))
+            if found is not None:
+                return found
+        elif isinstance(v, list | tuple):
+            found = _batch_size_of(tuple(v), {})
+            if found is not None:
+                return found
     return None
 
 

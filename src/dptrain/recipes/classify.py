@@ -1,0 +1,859 @@
+"""Recipe: private text classification on a pretrained encoder, five ways.
+
+``dptrain train classify [--config FILE] [key=value ...]`` with ``method=``
+
+- ``nonprivate``: full fine-tuning with AdamW (no guarantee);
+- ``dpsgd``: full fine-tuning with DP-Adam through the clipping engine
+  (Li et al. 2022: large batch, C = 0.1); the whole model is covered;
+- ``dpsgd-head``: DP-Adam on the head only, the encoder frozen (a private
+  linear probe); the encoder is the public pretrained model;
+- ``dpfp``: DP forward propagation (Du & Mi et al., Algorithm 1) with the
+  encoder frozen: the head trains on clipped + noised representations, so
+  it is post-processing and covered by the guarantee (labels are not);
+- ``dpfp-finetune``: the paper's setting, encoder fine-tuned through the
+  DP-FP layer: the encoder's updates use gradients of the raw inputs and are
+  OUTSIDE the formal guarantee (the report says so).
+
+Steps:
+
+1. **setup**: check the config, load and split the data (optionally a seeded
+   subsample of the training split), load the tokenizer and encoder from a
+   local folder (the packaged all-MiniLM-L6-v2 by default, offline), fix
+   delta from the training-set size and calibrate the noise for the whole run
+   (PLD by default; every method is compared at the same PLD epsilon).
+   Bad input stops here, before anything is written.
+2. **train**: the method's loop; a progress bar shows the epoch, the loss
+   and the epsilon spent. Frozen-encoder methods compute the pooled
+   representations once (the encoder is deterministic in eval mode) and
+   train the head on them; ``feature_cache`` keeps them on disk for a grid.
+3. **evaluate**: dev accuracy after every epoch; the best epoch by dev
+   accuracy is kept and the test split is scored once, at the end.
+4. **save**: the run folder holds ``config.yaml`` (resolved), ``data.json``,
+   ``ledger.json``, ``metrics.jsonl``, ``results.json``, ``plots/curves.png``
+   and, with ``save_checkpoint``, ``checkpoints/best.pt``.
+
+Objectives: ``linear`` (a fresh linear head on the pooled representation)
+or ``infilling`` (Li et al. section 3.2: the text followed by ``prompt``, and
+the masked-LM logits of one label word per class at its [MASK]; needs an
+encoder with a pretrained masked-LM head, which the packaged MiniLM lacks).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from dptrain._checks import check_in_interval, check_int, check_positive
+from dptrain.accounting import (
+    ACCOUNTANTS,
+    PrivacyLedger,
+    calibrate_dpfp,
+    calibrate_noise,
+    make_accountant,
+    sample_rate_from_batch,
+    steps_from_epochs,
+)
+from dptrain.config import save_config
+from dptrain.data.text_classification import TextClassificationData
+from dptrain.dpfp import DPForwardLayer, DPFPTrainer
+from dptrain.models.text_classifier import LabelWordHead, PooledEncoder, TextClassifier
+from dptrain.privacy_engine import make_private
+from dptrain.recipes.seqrec import resolve_delta
+
+__all__ = [
+    "METHODS",
+    "METHOD_DEFAULTS",
+    "ClassifyTrainConfig",
+    "load_classification_data",
+    "train_classify",
+]
+
+log = logging.getLogger(__name__)
+
+#: The five methods compared (issue 3).
+METHODS = ("nonprivate", "dpsgd", "dpsgd-head", "dpfp", "dpfp-finetune")
+_FROZEN = ("dpsgd-head", "dpfp")  # the encoder is not trained
+_DPFP = ("dpfp", "dpfp-finetune")
+_OBJECTIVES = ("linear", "infilling")
+_DELTA_RULES = ("1/N^1.1", "1/(2N)")
+
+#: What ``None`` means for each method's batch_size, max_norm, lr (encoder) and head_lr.
+#: DP-FP: the paper's M = 32, C = 1, expected batch 32, lr 5e-6 for fine-tuning; the
+#: fresh head gets 1e-3 (5e-6 barely moves a randomly initialised layer in 3 epochs).
+#: DP-SGD: Li et al.'s large batch and C = 0.1 with DP-Adam at lr 5e-4.
+METHOD_DEFAULTS: dict[str, dict[str, float | int | None]] = {
+    "nonprivate": {"batch_size": 32, "max_norm": None, "lr": 5e-5, "head_lr": 1e-3},
+    "dpsgd": {"batch_size": 256, "max_norm": 0.1, "lr": 5e-4, "head_lr": 1e-3},
+    "dpsgd-head": {"batch_size": 256, "max_norm": 0.1, "lr": None, "head_lr": 1e-2},
+    "dpfp": {"batch_size": 32, "max_norm": 1.0, "lr": None, "head_lr": 1e-3},
+    "dpfp-finetune": {"batch_size": 32, "max_norm": 1.0, "lr": 5e-6, "head_lr": 1e-3},
+}
+
+#: Label words for text infilling on the packaged data (label k -> word k).
+_LABEL_WORDS = {"rotten-tomatoes": ["terrible", "great"], "womens-clothing": ["bad", "good"]}
+
+_SCOPES = {
+    "nonprivate": "none: non-private training",
+    "dpsgd": "example-level DP for the whole model (encoder and head); labels are protected",
+    "dpsgd-head": "example-level DP for the head; the encoder is the public pretrained "
+    "model, frozen; labels are protected",
+    "dpfp": "DP-FP, frozen encoder: the head is post-processing of the noisy "
+    "representations and is covered; labels are NOT protected",
+    "dpfp-finetune": "DP-FP with encoder fine-tuning: only the noisy representations are "
+    "covered; the encoder's updates are OUTSIDE the formal guarantee; labels are NOT protected",
+}
+
+
+@dataclass
+class ClassifyTrainConfig:
+    """Settings of one run; every field can be set in YAML or as ``key=value``.
+
+    ``None`` for batch_size, max_norm, lr and head_lr takes the method's value
+    from :data:`METHOD_DEFAULTS` (the resolved values are saved in config.yaml).
+    """
+
+    # data
+    data: str = "rotten-tomatoes"
+    """``rotten-tomatoes``, ``womens-clothing`` (packaged) or a CSV/TSV/JSONL/Parquet path."""
+    text_col: str = "text"
+    label_col: str = "label"
+    train_size: int | None = None
+    """Train on a seeded random subset of this many training records (CPU-sized runs)."""
+    split_seed: int = 0
+    """Fixes the train/dev/test split and the training subset (the same for every method)."""
+    # encoder
+    encoder: str = "minilm"
+    """``minilm`` (the packaged all-MiniLM-L6-v2) or a local Hugging Face model folder."""
+    pooling: str = "mean"
+    objective: str = "linear"
+    prompt: str = "It was [MASK]."
+    """Text-infilling prompt appended to every text; ``[MASK]`` is the tokenizer's mask."""
+    label_words: list[str] | None = None
+    """One vocabulary word per class for text infilling (default for the packaged data)."""
+    max_length: int = 128
+    # method and privacy
+    method: str = "dpfp"
+    epsilon: float | None = None
+    """Target epsilon of the private methods (required for them; null for nonprivate)."""
+    delta: float | str = "1/N^1.1"
+    accountant: str = "pld"
+    """Calibration: ``pld`` (default); ``gdp`` is DP-FP's paper-faithful CLT route."""
+    max_norm: float | None = None
+    """C: the clipping norm (of gradients for DP-SGD, of representations for DP-FP)."""
+    micro_batches: int = 32
+    """M, DP-FP only."""
+    clipping_mode: str = "book_keeping"
+    # optimisation
+    epochs: int = 3
+    batch_size: int | None = None
+    """Expected batch size B (Poisson for DP-SGD; B / M per micro-batch for DP-FP)."""
+    lr: float | None = None
+    """Learning rate of the encoder (fine-tuning methods only)."""
+    head_lr: float | None = None
+    weight_decay: float = 0.0
+    max_physical_batch_size: int = 64
+    # evaluation and output
+    eval_batch_size: int = 128
+    num_threads: int = 0
+    """torch threads for this run; 0 leaves torch's default."""
+    seed: int = 0
+    out: str = "runs/classify"
+    feature_cache: str | None = None
+    """Folder to keep frozen-encoder representations in, shared by runs of a grid."""
+    save_checkpoint: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("method", self.method, METHODS)
+        _choice("objective", self.objective, _OBJECTIVES)
+        _choice("accountant", self.accountant, tuple(ACCOUNTANTS))
+        _choice("clipping_mode", self.clipping_mode, ("book_keeping", "ghost"))
+        if self.objective == "linear":
+            _choice("pooling", self.pooling, ("mean", "cls", "pooler"))
+        elif self.pooling != "mean":  # infilling reads the [MASK] state: no pooling choice
+            raise ValueError(
+                f"pooling={self.pooling!r} is not allowed with objective='infilling': the "
+                "representation is the [MASK] token's state (leave pooling unset)"
+            )
+        if self.objective == "infilling" and "[MASK]" not in self.prompt:
+            raise ValueError(f"prompt={self.prompt!r} is not allowed: expected a '[MASK]' in it")
+        for name in ("max_length", "epochs", "eval_batch_size", "max_physical_batch_size"):
+            check_int(name, getattr(self, name), 2 if name == "max_length" else 1)
+        check_int("micro_batches", self.micro_batches, 1)
+        check_int("seed", self.seed, 0)
+        check_int("split_seed", self.split_seed, 0)
+        check_int("num_threads", self.num_threads, 0)
+        if self.train_size is not None:
+            check_int("train_size", self.train_size, 2)
+        if isinstance(self.delta, str):
+            _choice("delta", self.delta, _DELTA_RULES)
+        else:
+            check_in_interval("delta", self.delta, 0.0, 1.0)
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} is not allowed: expected >= 0")
+        if self.method == "nonprivate":
+            for name in ("epsilon", "max_norm"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} is not allowed with method='nonprivate': "
+                        f"set {name}=null (a non-private run has no privacy parameters)"
+                    )
+        elif self.epsilon is None:
+            raise ValueError(
+                f"epsilon=None is not allowed with method={self.method!r}: expected a target "
+                "epsilon > 0 (e.g. epsilon=3)"
+            )
+        else:
+            check_positive("epsilon", self.epsilon)
+        if self.method in _FROZEN and self.lr is not None:
+            raise ValueError(
+                f"lr={self.lr!r} is not allowed with method={self.method!r}: the encoder is "
+                "frozen; set head_lr for the head"
+            )
+        defaults = METHOD_DEFAULTS[self.method]
+        for name in ("batch_size", "max_norm", "lr", "head_lr"):
+            if getattr(self, name) is None:
+                setattr(self, name, defaults[name])
+        check_int("batch_size", self.batch_size, 1)
+        if self.train_size is not None and self.batch_size > self.train_size:
+            raise ValueError(
+                f"batch_size={self.batch_size} is not allowed with train_size={self.train_size}: "
+                "expected batch_size <= train_size (the sampling rate B / N must be <= 1)"
+            )
+        for name in ("max_norm", "lr", "head_lr"):
+            if getattr(self, name) is not None:
+                check_positive(name, getattr(self, name))
+
+    @property
+    def private(self) -> bool:
+        return self.method != "nonprivate"
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed: expected one of {list(allowed)}")
+
+
+# -- setup -----------------------------------------------------------------------------------
+
+
+def load_classification_data(cfg: ClassifyTrainConfig) -> TextClassificationData:
+    """The split data the config names, with the training subset applied."""
+    from dptrain.data import text_classification as tc
+
+    if cfg.data == "rotten-tomatoes":
+        data = tc.load_rotten_tomatoes(seed=cfg.split_seed)
+    elif cfg.data == "womens-clothing":
+        data = tc.load_womens_clothing(seed=cfg.split_seed)
+    else:
+        path = Path(cfg.data)
+        if not path.is_file():
+            raise ValueError(
+                f"data={cfg.data!r} is not allowed: expected 'rotten-tomatoes', "
+                "'womens-clothing' or the path of an existing CSV/TSV/JSONL/Parquet file"
+            )
+        data = tc.load_text_file(
+            path, text_col=cfg.text_col, label_col=cfg.label_col, seed=cfg.split_seed
+        )
+    if cfg.train_size is not None and cfg.train_size < data.n_train:
+        gen = torch.Generator().manual_seed(cfg.split_seed)
+        keep = torch.randperm(data.n_train, generator=gen)[: cfg.train_size].sort().values
+        data.train_texts = [data.train_texts[i] for i in keep.tolist()]
+        data.train_labels = data.train_labels[keep]
+        data.summary["train_subset"] = (
+            f"{cfg.train_size} of {data.summary['sizes']['train']} training records "
+            f"(uniform, seed {cfg.split_seed})"
+        )
+        data.summary["sizes"] = {**data.summary["sizes"], "train": cfg.train_size}
+    elif cfg.train_size is not None:
+        raise ValueError(
+            f"train_size={cfg.train_size} is not allowed: the training split has only "
+            f"{data.n_train} records (leave train_size unset to use them all)"
+        )
+    if len(torch.unique(data.train_labels)) < 2:
+        raise ValueError(
+            f"train_size={cfg.train_size}: the training records hold one class only; "
+            "expected at least 2"
+        )
+    return data
+
+
+def _encoder_folder(cfg: ClassifyTrainConfig) -> Path:
+    if cfg.encoder == "minilm":
+        from dptrain.data.text_classification import minilm_path
+
+        return minilm_path()
+    path = Path(cfg.encoder)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"encoder={cfg.encoder!r} is not allowed: expected 'minilm' or a local Hugging Face "
+            "model folder with a config.json"
+        )
+    return path
+
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
+
+
+def _load_tokenizer(cfg: ClassifyTrainConfig, folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    # transformers 5 builds an empty tokenizer (every word [UNK]) from a folder without one.
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"encoder={cfg.encoder!r} is not allowed: no tokenizer could be loaded: {folder} "
+            f"holds none of {list(_TOKENIZER_FILES)} beside the model"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"encoder={cfg.encoder!r} is not allowed: no tokenizer could be loaded from "
+            f"{folder} (expected tokenizer.json or vocab files beside the model): {err}"
+        ) from None
+
+
+def _load_model(
+    cfg: ClassifyTrainConfig, folder: Path, tokenizer: Any, n_classes: int, label_names: list[str]
+) -> tuple[TextClassifier, dict[str, Any]]:
+    """The classifier (without DP-FP layer) and a description of the objective."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # "newly initialized" warnings are checked below
+    if cfg.objective == "linear":
+        encoder, info = transformers.AutoModel.from_pretrained(
+            str(folder), local_files_only=True, output_loading_info=True
+        )
+        fresh = [k for k in info.get("missing_keys", []) if "pooler" in k]
+        if cfg.pooling == "pooler" and fresh:
+            raise ValueError(
+                f"pooling='pooler' is not allowed with encoder={cfg.encoder!r}: its pooler is not "
+                f"in the checkpoint (missing {fresh[:2]}) and would be random; use 'mean' or 'cls'"
+            )
+        pooled = PooledEncoder(encoder, cfg.pooling)
+        # Loading may or may not draw from the global RNG: seed the fresh head's init itself.
+        torch.manual_seed(cfg.seed)
+        head = nn.Linear(pooled.hidden_size, n_classes)
+        return TextClassifier(pooled, head), {"objective": "linear", "pooling": cfg.pooling}
+    mlm, info = transformers.AutoModelForMaskedLM.from_pretrained(
+        str(folder), local_files_only=True, output_loading_info=True
+    )
+    head_module = getattr(mlm, "cls", None) or getattr(mlm, "lm_head", None)
+    head_prefixes = ("cls.", "lm_head.")
+    missing = [k for k in info.get("missing_keys", []) if k.startswith(head_prefixes)]
+    if head_module is None or missing:
+        raise ValueError(
+            f"objective='infilling' is not allowed with encoder={cfg.encoder!r}: it has no "
+            f"pretrained masked-LM head (missing: {missing[:3] or 'cls / lm_head'}); use "
+            "objective=linear or an encoder saved with its masked-LM head"
+        )
+    words = cfg.label_words if cfg.label_words is not None else _LABEL_WORDS.get(cfg.data)
+    if words is None:
+        raise ValueError(
+            f"label_words=None is not allowed for data={cfg.data!r} with objective='infilling': "
+            f"give one word per class ({label_names})"
+        )
+    if len(words) != n_classes:
+        raise ValueError(
+            f"label_words={words} is not allowed: expected {n_classes} words, one per class "
+            f"{label_names}"
+        )
+    ids = []
+    for word in words:
+        pieces = tokenizer.tokenize(word)
+        if len(pieces) != 1 or tokenizer.convert_tokens_to_ids(pieces[0]) == tokenizer.unk_token_id:
+            raise ValueError(
+                f"label_words entry {word!r} is not allowed: it is not one token of the "
+                f"vocabulary (tokenized as {pieces})"
+            )
+        ids.append(tokenizer.convert_tokens_to_ids(pieces[0]))
+    if tokenizer.mask_token_id is None:
+        raise ValueError(f"encoder={cfg.encoder!r}: the tokenizer has no mask token")
+    pooled = PooledEncoder(mlm.base_model, "mask", tokenizer.mask_token_id)
+    classifier = TextClassifier(pooled, LabelWordHead(head_module, ids))
+    return classifier, {"objective": "infilling", "prompt": cfg.prompt, "label_words": words}
+
+
+def _tokenize(cfg: ClassifyTrainConfig, tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids per text: [CLS] text [SEP], or [CLS] text prompt [SEP] with the prompt kept whole."""
+    if cfg.objective == "linear":
+        return tokenizer(texts, truncation=True, max_length=cfg.max_length)["input_ids"]
+    prompt = cfg.prompt.replace("[MASK]", tokenizer.mask_token)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    budget = cfg.max_length - len(prompt_ids) - 2
+    if budget < 1:
+        raise ValueError(
+            f"max_length={cfg.max_length} is not allowed: the prompt alone takes "
+            f"{len(prompt_ids) + 2} tokens"
+        )
+    body = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=budget)
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+    return [[cls_id, *ids, *prompt_ids, sep_id] for ids in body["input_ids"]]
+
+
+class _TokenizedTexts(torch.utils.data.Dataset):
+    """Records ``(token ids, label)``; :meth:`collate` pads a list of them."""
+
+    def __init__(self, ids: list[list[int]], labels: Tensor, pad_id: int):
+        self.ids = ids
+        self.labels = labels
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[list[int], Tensor]:
+        return self.ids[i], self.labels[i]
+
+    def collate(self, records: list[tuple[list[int], Tensor]]) -> tuple[dict[str, Tensor], Tensor]:
+        width = max((len(ids) for ids, _ in records), default=0)
+        input_ids = torch.full((len(records), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(records), width), dtype=torch.long)
+        for row, (ids, _) in enumerate(records):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention[row, : len(ids)] = 1
+        labels = (
+            torch.stack([y for _, y in records]) if records else torch.zeros(0, dtype=torch.long)
+        )
+        return {"input_ids": input_ids, "attention_mask": attention}, labels
+
+    def batches(self, size: int):
+        """Deterministic evaluation batches, length-sorted (less padding); with their positions."""
+        order = sorted(range(len(self)), key=lambda i: len(self.ids[i]))
+        for start in range(0, len(order), size):
+            rows = order[start : start + size]
+            inputs, _ = self.collate([self[i] for i in rows])
+            yield rows, inputs
+
+
+def _stack(records: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    return torch.stack([x for x, _ in records]), torch.stack([y for _, y in records])
+
+
+@dataclass
+class _Plan:
+    """What setup decided: the sampling, the training length and the noise."""
+
+    n_train: int
+    delta: float | None
+    sample_rate: float  # q = B / N (a logical batch); DP-FP's p = q / M is per micro-batch
+    steps: int
+    noise_multiplier: float  # 0 for the non-private run
+
+
+def _plan(cfg: ClassifyTrainConfig, n_train: int) -> _Plan:
+    q = sample_rate_from_batch(cfg.batch_size, n_train)
+    steps = steps_from_epochs(cfg.epochs, q)
+    if not cfg.private:
+        return _Plan(n_train, None, q, steps, 0.0)
+    delta = resolve_delta(cfg.delta, n_train)
+    try:
+        if cfg.method in _DPFP:
+            sigma = calibrate_dpfp(
+                cfg.epsilon,
+                delta,
+                sample_rate=q / cfg.micro_batches,
+                steps=steps,
+                micro_batches=cfg.micro_batches,
+                clip=cfg.max_norm,
+                accountant=cfg.accountant,
+            ).noise_multiplier
+        else:
+            sigma = calibrate_noise(
+                cfg.epsilon, delta, sample_rate=q, steps=steps, accountant=cfg.accountant
+            ).noise_multiplier
+    except ValueError as err:
+        raise ValueError(
+            f"epsilon={cfg.epsilon} cannot be reached for method={cfg.method} with "
+            f"epochs={cfg.epochs}, batch_size={cfg.batch_size} ({steps} steps, "
+            f"delta={delta:.3g}): {err}"
+        ) from None
+    return _Plan(n_train, delta, q, steps, sigma)
+
+
+# -- representations of a frozen encoder ------------------------------------------------------
+
+
+@torch.no_grad()
+def _represent(encoder: PooledEncoder, data: _TokenizedTexts, batch_size: int) -> Tensor:
+    """(N, k) pooled representations in eval mode (deterministic), in record order."""
+    encoder.eval()
+    out = torch.empty(len(data), encoder.hidden_size)
+    for rows, inputs in data.batches(batch_size):
+        out[rows] = encoder(inputs).float()
+    return out
+
+
+def _frozen_features(
+    cfg: ClassifyTrainConfig, folder: Path, encoder: PooledEncoder, splits: dict[str, Any]
+) -> dict[str, Tensor]:
+    """Representations of every split, from ``feature_cache`` when it has them."""
+    key = None
+    if cfg.feature_cache is not None:
+        digest = hashlib.sha256()
+        for part in (str(folder.resolve()), cfg.objective, cfg.pooling, cfg.prompt, cfg.max_length):
+            digest.update(repr(part).encode())
+        for name in ("train", "dev", "test"):
+            digest.update(json.dumps(splits[name].ids).encode())
+        key = Path(cfg.feature_cache) / f"features-{digest.hexdigest()[:20]}.pt"
+        if key.is_file():
+            return torch.load(key, weights_only=True)
+    feats = {name: _represent(encoder, splits[name], cfg.eval_batch_size) for name in splits}
+    if key is not None:
+        key.parent.mkdir(parents=True, exist_ok=True)
+        tmp = key.with_suffix(f".{os.getpid()}.tmp")  # grid workers may race: write, then rename
+        torch.save(feats, tmp)
+        tmp.replace(key)
+    return feats
+
+
+# -- train / evaluate --------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _accuracy_of(model: nn.Module, data: Any, labels: Tensor, batch_size: int) -> float:
+    """Accuracy of ``model`` on a _TokenizedTexts or a (N, k) feature tensor."""
+    model.eval()
+    if isinstance(data, Tensor):
+        logits = torch.cat(
+            [model(data[i : i + batch_size]) for i in range(0, len(data), batch_size)]
+        )
+    else:
+        logits = torch.empty(len(data), 0)
+        for rows, inputs in data.batches(batch_size):
+            out = model(inputs).float()
+            if logits.shape[1] == 0:
+                logits = torch.empty(len(data), out.shape[1])
+            logits[rows] = out
+    return float((logits.argmax(1) == labels).float().mean())
+
+
+def _param_groups(classifier: TextClassifier, cfg: ClassifyTrainConfig) -> list[dict[str, Any]]:
+    """Encoder at ``lr``, head at ``head_lr``; a weight shared by both (text infilling's
+    decoder, tied to the word embeddings) is the encoder's."""
+    encoder = list(classifier.encoder.parameters())
+    shared = {id(p) for p in encoder}
+    head = [p for p in classifier.head.parameters() if id(p) not in shared]
+    return [{"params": encoder, "lr": cfg.lr}, {"params": head, "lr": cfg.head_lr}]
+
+
+def _epsilons(ledger: PrivacyLedger, delta: float) -> dict[str, float]:
+    return {name: make_accountant(name, ledger).epsilon(delta) for name in ACCOUNTANTS}
+
+
+def _spent(ledger: PrivacyLedger, delta: float | None) -> float:
+    """PLD epsilon so far on a 1e-3 grid (pessimistic, ~10x faster); results.json is exact."""
+    if delta is None or not ledger.num_steps:
+        return 0.0
+    return make_accountant("pld", ledger, value_discretization_interval=1e-3).epsilon(delta)
+
+
+def train_classify(cfg: ClassifyTrainConfig) -> dict[str, Any]:
+    """Run the recipe; return the ``results.json`` content."""
+    t0 = time.perf_counter()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(cfg.seed)
+    # -- setup (nothing written until it has all passed) --
+    data = load_classification_data(cfg)
+    folder = _encoder_folder(cfg)
+    tokenizer = _load_tokenizer(cfg, folder)
+    classifier, objective = _load_model(cfg, folder, tokenizer, data.n_classes, data.label_names)
+    splits = {
+        name: _TokenizedTexts(_tokenize(cfg, tokenizer, texts), labels, tokenizer.pad_token_id)
+        for name, (texts, labels) in ((s, data.split(s)) for s in ("train", "dev", "test"))
+    }
+    plan = _plan(cfg, data.n_train)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    (out / "data.json").write_text(json.dumps(data.summary, indent=2, default=str))
+    ledger = PrivacyLedger(privacy_unit="text")
+
+    t_train = time.perf_counter()
+    history, best, trainable, scope_detail = _train(cfg, plan, classifier, splits, folder, ledger)
+    # training steps only: without the frozen encoder's pass and the dev evaluations
+    train_time = time.perf_counter() - t_train - best["feature_time_s"] - best["eval_time_s"]
+    trainable.load_state_dict(best["state"])
+    test_data = best["test_data"]
+    accuracy = _accuracy_of(best["model"], test_data, splits["test"].labels, cfg.eval_batch_size)
+
+    (out / "ledger.json").write_text(ledger.to_json())
+    eps = _epsilons(ledger, plan.delta) if cfg.private else {}
+    results: dict[str, Any] = {
+        "method": cfg.method,
+        "data": data.name,
+        **objective,
+        "encoder": cfg.encoder,
+        "accuracy": accuracy,
+        "dev_accuracy": best["dev_accuracy"],
+        "best_epoch": best["epoch"],
+        "epsilon": eps.get("pld", math.inf),
+        "delta": plan.delta if cfg.private else 0.0,
+        "target_epsilon": cfg.epsilon,
+        "calibrated_with": cfg.accountant if cfg.private else None,
+        "epsilon_by_accountant": eps,
+        "noise_multiplier": plan.noise_multiplier,
+        "max_norm": cfg.max_norm,
+        "batch_size": cfg.batch_size,
+        "micro_batches": cfg.micro_batches if cfg.method in _DPFP else None,
+        "sample_rate": plan.sample_rate / (cfg.micro_batches if cfg.method in _DPFP else 1),
+        "steps": plan.steps,
+        "ledger_events": ledger.num_steps,
+        "epochs": cfg.epochs,
+        "lr": cfg.lr,
+        "head_lr": cfg.head_lr,
+        "n_train": data.n_train,
+        "n_dev": len(data.dev_texts),
+        "n_test": len(data.test_texts),
+        "privacy_scope": _SCOPES[cfg.method],
+        "privacy_scope_detail": scope_detail,
+        "seed": cfg.seed,
+        "feature_time_s": best["feature_time_s"],
+        "eval_time_s": best["eval_time_s"],
+        "train_time_s": train_time,
+        "step_time_s": train_time / max(plan.steps, 1),
+        "wall_time_s": time.perf_counter() - t0,
+    }
+    if cfg.private and cfg.accountant != "pld":
+        results["calibration_note"] = (
+            f"calibrated with {cfg.accountant} to epsilon {cfg.epsilon:g}"
+            + (
+                " (the paper's GDP-CLT route, which understates epsilon)"
+                if cfg.accountant == "gdp"
+                else ""
+            )
+            + f"; 'epsilon' is the PLD epsilon of the same run: {results['epsilon']:.3g}"
+        )
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    with (out / "metrics.jsonl").open("w") as f:
+        for line in history:
+            f.write(json.dumps(line) + "\n")
+    if cfg.save_checkpoint:
+        (out / "checkpoints").mkdir(exist_ok=True)
+        torch.save(best["state"], out / "checkpoints" / "best.pt")
+    _plot(history, cfg, out / "plots")
+    return results
+
+
+def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, ledger):
+    """The method's training loop; returns history, best state, trainable module, scope text."""
+    frozen = cfg.method in _FROZEN
+    head = classifier.head
+    if frozen:
+        classifier.encoder.requires_grad_(False)
+        t_features = time.perf_counter()
+        feats = _frozen_features(cfg, folder, classifier.encoder, splits)
+        feature_time = time.perf_counter() - t_features
+        train_set = torch.utils.data.TensorDataset(feats["train"], splits["train"].labels)
+        trainable: nn.Module = head
+        eval_model, dev_data, test_data = head, feats["dev"], feats["test"]
+        # Without the frozen encoder's weights (text infilling ties the decoder to them).
+        trainable_head = [p for p in head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable_head, lr=cfg.head_lr, weight_decay=cfg.weight_decay)
+    else:
+        feature_time = 0.0
+        train_set = splits["train"]
+        trainable = classifier
+        eval_model, dev_data, test_data = classifier, splits["dev"], splits["test"]
+        optimizer = torch.optim.AdamW(_param_groups(classifier, cfg), weight_decay=cfg.weight_decay)
+    collate = _stack if frozen else splits["train"].collate
+    scope = _SCOPES[cfg.method]
+    step_fn, describe = _make_step(
+        cfg, plan, classifier, trainable, optimizer, train_set, collate, ledger, scope
+    )
+
+    evals = {
+        min(plan.steps, round(e * plan.steps / cfg.epochs)): e for e in range(1, cfg.epochs + 1)
+    }
+    evals[plan.steps] = cfg.epochs
+    history: list[dict[str, Any]] = []
+    best: dict[str, Any] = {"dev_accuracy": -1.0}
+    bar = tqdm(total=plan.steps, disable=not cfg.progress, desc=cfg.method, unit="step")
+    loss_sum, loss_n = 0.0, 0
+    eval_time = 0.0
+    for step in range(1, plan.steps + 1):
+        trainable.train()
+        loss, n = step_fn()
+        loss_sum += loss * n
+        loss_n += n
+        bar.update(1)
+        if step not in evals:
+            continue
+        t_eval = time.perf_counter()
+        dev = _accuracy_of(eval_model, dev_data, splits["dev"].labels, cfg.eval_batch_size)
+        spent = _spent(ledger, plan.delta)
+        eval_time += time.perf_counter() - t_eval
+        line = {
+            "epoch": evals[step],
+            "step": step,
+            "train_loss": loss_sum / max(loss_n, 1),
+            "epsilon": spent,
+            "dev_accuracy": dev,
+        }
+        history.append(line)
+        loss_sum, loss_n = 0.0, 0
+        if dev > best["dev_accuracy"]:
+            best = {
+                "dev_accuracy": dev,
+                "epoch": evals[step],
+                "state": copy.deepcopy(trainable.state_dict()),
+            }
+        bar.set_postfix(
+            epoch=evals[step],
+            loss=f"{line['train_loss']:.3f}",
+            eps=f"{spent:.2f}" if cfg.private else "inf",
+            dev=f"{dev:.3f}",
+        )
+    bar.close()
+    best.update(
+        model=eval_model, test_data=test_data, feature_time_s=feature_time, eval_time_s=eval_time
+    )
+    return history, best, trainable, describe()
+
+
+def _make_step(cfg, plan, classifier, trainable, optimizer, train_set, collate, ledger, scope):
+    """A function running one training step -> (mean loss, records), and one describing scope."""
+    if cfg.method in _DPFP:
+        dp_layer = DPForwardLayer(cfg.max_norm, plan.noise_multiplier, seed=cfg.seed)
+        frozen = cfg.method == "dpfp"
+        trainer = DPFPTrainer(
+            nn.Identity() if frozen else classifier.encoder,
+            classifier.head,
+            dp_layer,
+            optimizer,
+            F.cross_entropy,
+            train_set,
+            collate,
+            sample_rate=plan.sample_rate / cfg.micro_batches,
+            micro_batches=cfg.micro_batches,
+            encoder_trainable=not frozen,
+            ledger=ledger,
+            fuse_micro_batches=True,  # Transformers' rows do not interact: same update, faster
+        )
+        if not frozen:
+            classifier.dp_layer = dp_layer  # so the saved model shows where the noise went
+        from dptrain.dpfp import BernoulliMicroBatches
+
+        sampler = iter(
+            BernoulliMicroBatches(
+                len(train_set), cfg.batch_size, cfg.micro_batches, plan.steps, seed=cfg.seed
+            )
+        )
+
+        def dpfp_step() -> tuple[float, int]:
+            result = trainer.step(next(sampler))
+            n = sum(result.micro_batch_sizes)
+            return (result.loss if result.updated else 0.0), n
+
+        return dpfp_step, lambda: trainer.privacy_scope(plan.delta, "pld")
+
+    if cfg.method == "nonprivate":
+        loader = torch.utils.data.DataLoader(
+            train_set,
+            batch_size=cfg.batch_size,
+            shuffle=True,
+            collate_fn=collate,
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
+        batches = _cycle(loader)
+
+        def plain_step() -> tuple[float, int]:
+            inputs, targets = next(batches)
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(trainable(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            return float(loss.detach()), len(targets)
+
+        return plain_step, lambda: scope
+
+    private = make_private(
+        trainable,
+        optimizer,
+        train_set,
+        batch_size=cfg.batch_size,
+        max_grad_norm=cfg.max_norm,
+        steps=plan.steps,
+        noise_multiplier=plan.noise_multiplier,
+        mode=cfg.clipping_mode,
+        accountant=cfg.accountant,
+        max_physical_batch_size=cfg.max_physical_batch_size,
+        collate_fn=collate,
+        seed=cfg.seed,
+        privacy_unit="text",
+        ledger=ledger,
+    )
+    batches = iter(private.data_loader)
+
+    def dpsgd_step() -> tuple[float, int]:
+        batch = next(batches)
+        private.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for inputs, targets in batch.chunks:
+            losses = F.cross_entropy(trainable(inputs), targets, reduction="none")
+            private.backward(losses)
+            total += float(losses.detach().sum())
+        private.optimizer.step()
+        return total / max(batch.size, 1), batch.size
+
+    detail = (
+        f"DP-Adam (DP-SGD) through the clipping engine ({cfg.clipping_mode}): C={cfg.max_norm:g}, "
+        f"noise_multiplier={plan.noise_multiplier:.4g}, q={plan.sample_rate:.4g}, "
+        f"{plan.steps} steps; {scope}"
+    )
+    return dpsgd_step, lambda: detail
+
+
+def _cycle(loader):
+    while True:
+        yield from loader
+
+
+def _plot(history: list[dict[str, Any]], cfg: ClassifyTrainConfig, folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(exist_ok=True)
+    title = cfg.method + (f", target epsilon {cfg.epsilon:g}" if cfg.private else "")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    epochs = [h["epoch"] for h in history]
+    axes[0].plot(epochs, [h["dev_accuracy"] for h in history], marker="o", ms=3)
+    axes[0].set_xlabel("epoch")
+    axes[0].set_ylabel("dev accuracy")
+    axes[1].plot([h["step"] for h in history], [h["epsilon"] for h in history], marker="o", ms=3)
+    if cfg.private:
+        axes[1].axhline(cfg.epsilon, color="grey", ls="--", lw=1, label="target")
+        axes[1].legend()
+    axes[1].set_xlabel("training step")
+    axes[1].set_ylabel("epsilon spent (PLD)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(folder / "curves.png", dpi=120)
+    plt.close(fig)

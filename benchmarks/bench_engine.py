@@ -18,7 +18,17 @@ Methods (one full training step each):
 - ``opacus-hooks`` / ``opacus-ghost``: Opacus ``PrivacyEngine.make_private``
   (``poisson_sampling=False``, loss reduction "mean"; ghost mode uses the
   wrapped criterion with ``shape=logits.shape``, one privacy unit per
-  sequence). Where Opacus refuses the model the row carries the error.
+  sequence). Opacus needs a batch dimension in an Embedding's input, so for
+  these methods the position embedding is looked up with (B, T) positions
+  (same parameters and output; the row's note says so). Where Opacus refuses
+  the model the row carries the error.
+
+The models, batches and steps are those of ``dptrain bench``
+(:mod:`dptrain.bench.workloads`), and so are the round-robin timing loop
+(:mod:`dptrain.bench.timing`) and the fresh memory process
+(:mod:`dptrain.bench.memory`); this script adds the goal checks and the
+profile. ``dptrain bench`` (docs/bench.md) is the wider comparison: more
+workloads, Opacus functorch, the largest batch under a cap, accountants.
 
 Timing: ``torch.set_num_threads(1)``; within a workload every method gets
 2 warm-up steps and then the timed steps, interleaved round-robin (one step
@@ -27,8 +37,8 @@ drift hits all methods alike. Reported: median and interquartile range of the
 timed steps, and time_ratio = median / the non-private median of the same
 workload in the same run.
 
-Memory: each (workload, method) runs in a fresh process (this script with
-the hidden ``--measure-memory WORKLOAD METHOD`` flag): it builds the model
+Memory: each (workload, method) runs in a fresh process
+(``python -m dptrain.bench._child WORKLOAD METHOD``): it builds the model
 and optimizer, records ``ru_maxrss`` (the baseline: imports, model,
 optimizer, batch), runs 3 steps and reports ``ru_maxrss`` again. Each process
 imports only what its method needs (torch and the model; the dptrain engine;
@@ -50,8 +60,6 @@ import json
 import math
 import os
 import platform
-import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -62,24 +70,26 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from _harness import command_line, git_description, machine_description, run_fresh
-from dptrain.models.gpt import GPT, GPTConfig
+from _harness import command_line, git_description, machine_description
+from dptrain.bench import memory as bench_memory
+from dptrain.bench import workloads as bench_workloads
+from dptrain.bench.timing import time_round_robin
+from dptrain.bench.workloads import (
+    INSTANTIATE_LIMIT_BYTES,
+    LR,
+    SEED,
+    first_line,
+)
 
-VOCAB = 8000
-LR = 1e-4
-SEED = 0
 WARMUP_STEPS = 2
 MEMORY_STEPS = 3
-INSTANTIATE_LIMIT_BYTES = 6e9
 
-#: name -> (batch size, sequence length, tied embeddings)
+WORKLOADS_BY_NAME = bench_workloads.WORKLOADS
+#: name -> (batch size, sequence length, tied embeddings): the GPT workloads of dptrain.bench
 WORKLOADS: dict[str, tuple[int, int, bool]] = {
-    "gpt-B16-T128": (16, 128, False),
-    "gpt-B16-T128-tied": (16, 128, True),
-    "gpt-B64-T128": (64, 128, False),
-    "gpt-B64-T128-tied": (64, 128, True),
-    "gpt-B4-T512": (4, 512, False),
-    "gpt-B4-T512-tied": (4, 512, True),
+    name: (w.batch_size, w.seq_len, w.tied)
+    for name, w in WORKLOADS_BY_NAME.items()
+    if w.model == "gpt"
 }
 QUICK_WORKLOADS = ("gpt-B16-T128", "gpt-B16-T128-tied")
 
@@ -99,16 +109,6 @@ GOAL_TIME_RATIO = 1.25
 GOAL_MEMORY_RATIO = 1.10
 PROFILE_WORKLOAD = "gpt-B64-T128"
 
-_QUIET = (
-    "Secure RNG turned off",
-    "Full backward hook is firing",
-    "Using a non-full backward hook",
-)
-
-
-class MethodSkippedError(Exception):
-    """A method that is deliberately not run on a workload (the reason is the message)."""
-
 
 @dataclass
 class Record:
@@ -125,140 +125,32 @@ class Record:
     memory_ratio: float | None = None
     increment_ratio: float | None = None
     error: str | None = None
+    note: str | None = None
 
 
-# -- building one method's training step -------------------------------------------------------
+# -- building one method's training step (shared with `dptrain bench`) ----------------------------
 
 
-def make_model(tied: bool) -> GPT:
-    torch.manual_seed(SEED)  # the same initial weights for every method
-    config = GPTConfig(
-        vocab_size=VOCAB,
-        max_seq_len=512,
-        n_layer=4,
-        n_head=4,
-        d_model=256,
-        d_mlp=1024,
-        dropout=0.0,
-        tie_embeddings=tied,
-    )
-    return GPT(config).train()
+def make_model(tied: bool) -> torch.nn.Module:
+    """The GPT reference model (seed 0), untied or tied."""
+    return bench_workloads.make_model(WORKLOADS_BY_NAME["gpt-B16-T128" + ("-tied" if tied else "")])
 
 
 def make_batch(batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(0, VOCAB, (batch_size, seq_len + 1), generator=gen)
-    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-
-
-def first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip()
+    """Random token ids (seed 0) and the next tokens, (B, T) each."""
+    return bench_workloads.make_batch(
+        bench_workloads.Workload("gpt", "gpt", batch_size, seq_len, False)
+    )
 
 
 def instantiate_bytes(batch_size: int, tied: bool) -> float:
-    """Rough peak of norm_method="instantiate": the largest Linear's per-example
-    gradients (B, d_out, d_in) in float32, plus their square."""
-    largest = VOCAB * 256  # lm_head (tied or not)
-    return 2.0 * batch_size * largest * 4
+    """Rough peak of norm_method="instantiate" (see dptrain.bench.workloads.instantiate_bytes)."""
+    return bench_workloads.instantiate_bytes(WORKLOADS_BY_NAME["gpt-B16-T128"], batch_size)
 
 
-def build_step(workload: str, method: str) -> Callable[[], None]:
-    """Model, optimizer and batch for one (workload, method); returns a closure running one step."""
-    b, t, tied = WORKLOADS[workload]
-    x, y = make_batch(b, t)
-
-    if method == "nonprivate":
-        model = make_model(tied)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-        def step() -> None:
-            opt.zero_grad()
-            logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-
-        return step
-
-    if method.startswith("dptrain-"):
-        from dptrain.clipping import ClippingEngine
-        from dptrain.losses import per_example_cross_entropy
-        from dptrain.optim import DPOptimizer
-
-        kwargs = {
-            "dptrain-bk": {"mode": "book_keeping"},
-            "dptrain-ghost": {"mode": "ghost"},
-            "dptrain-instantiate": {"mode": "book_keeping", "norm_method": "instantiate"},
-        }[method]
-        if method == "dptrain-instantiate":
-            need = instantiate_bytes(b, tied)
-            if need > INSTANTIATE_LIMIT_BYTES:
-                raise MethodSkippedError(
-                    f"skipped: per-example gradients need ~{need / 1e9:.1f} GB "
-                    f"(> {INSTANTIATE_LIMIT_BYTES / 1e9:.0f} GB)"
-                )
-        model = make_model(tied)
-        engine = ClippingEngine(model, 1.0, **kwargs)
-        dpopt = DPOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=LR),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            expected_batch_size=b,
-            sample_rate=0.01,
-            seed=SEED,
-        )
-
-        def step() -> None:
-            dpopt.zero_grad()
-            losses = per_example_cross_entropy(model(x), y, reduction="sum")
-            engine.backward(losses)
-            dpopt.step()
-
-        return step
-
-    if method in ("opacus-hooks", "opacus-ghost"):
-        from opacus import PrivacyEngine
-        from torch.utils.data import DataLoader, TensorDataset
-
-        model = make_model(tied)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        loader = DataLoader(TensorDataset(x, y), batch_size=b)
-        mode = method.removeprefix("opacus-")
-        out = PrivacyEngine().make_private(
-            module=model,
-            optimizer=opt,
-            data_loader=loader,
-            criterion=torch.nn.CrossEntropyLoss(),  # reduction "mean", as loss_reduction
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            grad_sample_mode=mode,
-            poisson_sampling=False,
-        )
-        if mode == "ghost":
-            gs_model, dp_opt, criterion, _ = out
-
-            def step() -> None:
-                dp_opt.zero_grad()
-                logits = gs_model(x)
-                # shape= makes the privacy unit one sequence (Opacus' generative-NLP path)
-                loss = criterion(logits.flatten(0, 1), y.flatten(), shape=logits.shape)
-                loss.backward()  # both backward passes
-                dp_opt.step()
-
-        else:
-            gs_model, dp_opt, _ = out
-
-            def step() -> None:
-                dp_opt.zero_grad()
-                logits = gs_model(x)
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                loss.backward()
-                dp_opt.step()
-
-        return step
-
-    raise ValueError(f"method={method!r} is not allowed: expected one of {list(METHODS)}")
+def build_step(workload: str, method: str) -> bench_workloads.BuiltStep:
+    """Model, optimizer and batch for one (workload, method): dptrain.bench.workloads.build_step."""
+    return bench_workloads.build_step(WORKLOADS_BY_NAME[workload], method)
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -272,35 +164,26 @@ def time_workload(
     steps: dict[str, Callable[[], None]] = {}
     for m in methods:
         try:
-            steps[m] = build_step(workload, m)
+            built = build_step(workload, m)
         except Exception as exc:  # Opacus refusing the model, or a deliberate skip
-            records[m].error = str(exc) if isinstance(exc, MethodSkippedError) else first_line(exc)
-    times: dict[str, list[float]] = {m: [] for m in steps}
-    rounds = WARMUP_STEPS + timed_steps
-    bar.update((len(methods) - len(steps)) * rounds)  # not run at all
-    for r in range(rounds):
-        alive = [m for m in methods if m in steps]
-        k = r % len(alive) if alive else 0
-        for m in alive[k:] + alive[:k]:
-            bar.set_postfix_str(f"{workload} {m}", refresh=False)
-            start = time.perf_counter()
-            try:
-                steps[m]()
-            except Exception as exc:
-                records[m].error = first_line(exc)
-                del steps[m]
-                bar.update(rounds - r)
-                continue
-            elapsed = time.perf_counter() - start
-            if r >= WARMUP_STEPS:
-                times[m].append(elapsed)
-            bar.update(1)
-    for m, ts in times.items():
-        if m in steps and ts:
+            records[m].error = first_line(exc)
+            continue
+        steps[m], records[m].note = built.step, built.note
+    bar.update((len(methods) - len(steps)) * (WARMUP_STEPS + timed_steps))  # not run at all
+
+    def progress(m: str) -> None:
+        bar.set_postfix_str(f"{workload} {m}", refresh=False)
+        bar.update(1)
+
+    result = time_round_robin(steps, warmup=WARMUP_STEPS, timed=timed_steps, on_step=progress)
+    for m, err in result.errors.items():
+        records[m].error = err
+    for m in steps:
+        s = result.summary(m)
+        if s is not None:
             rec = records[m]
-            rec.step_time_s = statistics.median(ts)
-            q1, _, q3 = statistics.quantiles(ts, n=4, method="inclusive")
-            rec.step_time_q1_s, rec.step_time_q3_s, rec.timed_steps = q1, q3, len(ts)
+            rec.step_time_s, rec.step_time_q1_s, rec.step_time_q3_s = s.median_s, s.q1_s, s.q3_s
+            rec.timed_steps = s.steps
     base = records.get("nonprivate")
     for rec in records.values():
         if rec.step_time_s is not None and base is not None and base.step_time_s:
@@ -313,22 +196,13 @@ def time_workload(
 
 
 def measure_memory_child(workload: str, method: str) -> None:
-    """Hidden mode: build, run MEMORY_STEPS steps, print {"maxrss_kib", ...} as JSON."""
-    torch.set_num_threads(1)
-    out: dict = {"workload": workload, "method": method}
-    try:
-        step = build_step(workload, method)
-        out["baseline_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        for _ in range(MEMORY_STEPS):
-            step()
-        out["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    except Exception as exc:
-        out["error"] = str(exc) if isinstance(exc, MethodSkippedError) else first_line(exc)
-    print(json.dumps(out))
+    """Hidden mode: build, run MEMORY_STEPS steps, print the result as one JSON line."""
+    bench_memory.main([workload, method, "--steps", str(MEMORY_STEPS)])
 
 
 def measure_memory(workload: str, method: str) -> dict:
-    return run_fresh(__file__, "--measure-memory", workload, method, what="memory")
+    """Peak RSS of (workload, method) in a fresh process (dptrain.bench.memory.measure_peak)."""
+    return bench_memory.measure_peak(workload, method, threads=1, steps=MEMORY_STEPS)
 
 
 def add_memory(records: dict[str, Record], bar) -> None:
@@ -336,9 +210,9 @@ def add_memory(records: dict[str, Record], bar) -> None:
         bar.set_postfix_str(f"{rec.workload} {m}", refresh=False)
         res = measure_memory(rec.workload, m)
         bar.update(1)
-        if "maxrss_kib" in res:
-            rec.peak_mb = res["maxrss_kib"] / 1024
-            rec.baseline_mb = res["baseline_kib"] / 1024
+        if "peak_mb" in res:
+            rec.peak_mb = res["peak_mb"]
+            rec.baseline_mb = res["baseline_mb"]
             rec.peak_increment_mb = rec.peak_mb - rec.baseline_mb
         elif rec.error is None:
             rec.error = res.get("error", "memory measurement failed")
@@ -546,7 +420,8 @@ def markdown_table(records: list[Record]) -> str:
             if r.step_time_q1_s is not None and r.step_time_q3_s is not None
             else "-"
         )
-        note = (r.error or "").replace("|", "\\|")
+        note = "; ".join(t for t in (r.error, r.note and f"note: {r.note}") if t)
+        note = note.replace("|", "\\|")
         lines.append(
             f"| {r.workload} | {r.method} | {_fmt(r.step_time_s, '.3f')} | {iqr} "
             f"| {_fmt(r.time_ratio, '.2f', 'x')} | {_fmt(r.peak_mb, '.0f')} "
@@ -734,7 +609,7 @@ def main() -> None:
         "--measure-memory", nargs=2, metavar=("WORKLOAD", "METHOD"), help=argparse.SUPPRESS
     )
     args = parser.parse_args()
-    for msg in _QUIET:
+    for msg in bench_workloads.QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=msg)
 
     if args.measure_memory:

@@ -11,6 +11,8 @@
     dptrain experiment dpfp       DP-FP vs DP-SGD vs non-private (methods x epsilon x seeds)
     dptrain demo            the main job: a short DPFormer experiment on MovieLens-100k
     dptrain accounting-demo the accounting demo (table + plot)
+    dptrain bench           dptrain vs non-private and Opacus: step time, memory, largest
+                            batch, accountants (--quick: a smoke check; docs/bench.md)
 
 Human output is a small aligned table; ``--json`` prints JSON lines. Bad
 arguments print an error naming the argument to stderr and exit with code 2.
@@ -161,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="runs/demo", help="run folder")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="settings to change")
+
+    p = sub.add_parser(
+        "bench",
+        help="step time, peak memory and largest batch vs non-private and Opacus; accountants",
+    )
+    from dptrain.bench.suite import add_bench_arguments
+
+    add_bench_arguments(p)
     return parser
 
 
@@ -563,6 +573,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command in ("train", "experiment", "demo"):
             return _run_recipe(args, argv)
+        if args.command == "bench":
+            from dptrain.bench.suite import run_bench_command
+
+            return run_bench_command(args)
         records = _COMMANDS[args.command](args)
     except ValueError as err:  # includes CliError: bad input, never a traceback
         print(f"dptrain {args.command}: error: {err}", file=sys.stderr)

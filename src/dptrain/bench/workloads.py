@@ -1,0 +1,494 @@
+"""The benchmark's reference workloads and one training step per method.
+
+A *workload* is a model and a fixed random batch; a *method* is how one
+training step on it is done. :func:`build_step` returns a closure that runs one
+full step (forward, loss, backward, optimizer step), so timing and memory
+measure the same thing for every method.
+
+Workloads (:data:`WORKLOADS`; a name ending in ``-tied`` ties the output layer
+to the input embedding, the case phantom clipping handles):
+
+- ``gpt-B16-T128[-tied]``, ``gpt-B64-T128[-tied]``, ``gpt-B4-T512[-tied]``: the
+  GPT-2-like reference model of the engine, ``GPT(GPTConfig(vocab_size=8000,
+  max_seq_len=512, n_layer=4, n_head=4, d_model=256, d_mlp=1024, dropout=0.0))``,
+  next-token cross-entropy on random token ids;
+- ``bert-B32-T128``: a Hugging Face ``BertForSequenceClassification`` built from
+  a config (BERT-mini sizes: 4 layers, hidden 256, 4 heads, intermediate 1024,
+  the BERT vocabulary of 30,522 word pieces, no dropout), two classes;
+- ``dpformer-B128-T50-tied``: the DPFormer model,
+  ``SeqRecTransformer(SeqRecConfig(n_items=1349, max_len=50, d_model=64,
+  n_head=1, n_layer=2, tie_embeddings=True, re_attention=True))`` (MovieLens-1M
+  sized catalogue), next-item cross-entropy on random item ids.
+
+Methods (:data:`METHODS`), all with AdamW(lr=1e-4), clipping norm 1 and noise
+multiplier 1 where private:
+
+- ``nonprivate``: mean cross-entropy, ``loss.backward()``, ``opt.step()``;
+- ``dptrain-bk`` / ``dptrain-ghost`` / ``dptrain-instantiate``:
+  :class:`~dptrain.clipping.ClippingEngine` in book-keeping mode, two-pass
+  ghost mode, and book-keeping with every Linear's per-example gradients
+  instantiated (``norm_method="instantiate"``), with
+  :class:`~dptrain.optim.DPOptimizer`;
+- ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch``: Opacus'
+  ``PrivacyEngine.make_private`` in each ``grad_sample_mode`` (fixed batches,
+  ``poisson_sampling=False``, loss reduction "mean"; ghost mode steps through
+  the criterion Opacus returns, with ``shape=logits.shape`` for sequence
+  losses so that one privacy unit is one sequence).
+
+Opacus computes per-example gradients of an ``nn.Embedding`` from its input,
+so the input must carry the batch dimension. The GPT and DPFormer models look
+up their position embedding with ``arange(T)`` of shape (T,) and broadcast it
+over the batch (as nanoGPT and HF GPT-2 do); for the Opacus methods only, that
+lookup is wrapped to use positions of shape (B, T) (same parameters, same
+output; records say so in their ``note``). The BERT batch passes
+``position_ids`` and ``token_type_ids`` of shape (B, T) to every method.
+
+A method that cannot run on a workload raises at build time:
+:class:`MethodSkippedError` for a deliberate skip (a library not installed,
+per-example gradients too large to instantiate); any other exception is the
+library refusing the model, and the benchmark reports it as the row's error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "DPTRAIN_METHODS",
+    "INSTANTIATE_LIMIT_BYTES",
+    "METHODS",
+    "OPACUS_METHODS",
+    "WORKLOADS",
+    "BuiltStep",
+    "MethodSkippedError",
+    "Workload",
+    "build_step",
+    "check_methods",
+    "check_workloads",
+    "first_line",
+    "instantiate_bytes",
+    "make_batch",
+    "make_model",
+    "preload",
+]
+
+SEED = 0
+LR = 1e-4
+GPT_VOCAB = 8000
+BERT_VOCAB = 30_522
+DPFORMER_ITEMS = 1349
+
+#: Skip ``dptrain-instantiate`` where its per-example gradients would need more than this.
+INSTANTIATE_LIMIT_BYTES = 6e9
+
+DPTRAIN_METHODS = ("dptrain-bk", "dptrain-ghost", "dptrain-instantiate")
+OPACUS_METHODS = ("opacus-hooks", "opacus-ghost", "opacus-functorch")
+#: Every method, in report order.
+METHODS = ("nonprivate", *DPTRAIN_METHODS, *OPACUS_METHODS)
+
+_DPTRAIN_KWARGS: dict[str, dict[str, str]] = {
+    "dptrain-bk": {"mode": "book_keeping"},
+    "dptrain-ghost": {"mode": "ghost"},
+    "dptrain-instantiate": {"mode": "book_keeping", "norm_method": "instantiate"},
+}
+
+#: Warnings the libraries print on every run that say nothing about the benchmark.
+QUIET_WARNINGS = (
+    "Secure RNG turned off",
+    "Full backward hook is firing",
+    "Using a non-full backward hook",
+    "Optimal order is the",
+    "In CPU autocast, but the target dtype is not supported",
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A reference model and a batch shape.
+
+    Attributes:
+        name: the name records carry (``-tied`` at the end for tied embeddings).
+        model: ``"gpt"``, ``"bert"`` or ``"dpformer"``.
+        batch_size: B, examples per step.
+        seq_len: T, tokens per example.
+        tied: whether the output layer's weight is the input embedding.
+    """
+
+    name: str
+    model: str
+    batch_size: int
+    seq_len: int
+    tied: bool
+
+    def describe(self) -> str:
+        """A one-line description for reports."""
+        kind = {
+            "gpt": "GPT-2-like LM (4 layers, d 256, vocab 8000)",
+            "bert": "HF BERT classifier from a config (BERT-mini sizes, vocab 30522)",
+            "dpformer": "DPFormer (SeqRecTransformer, 1349 items, d 64, Re-Attention)",
+        }[self.model]
+        tied = ", tied embeddings" if self.tied else ""
+        return f"{kind}, B={self.batch_size}, T={self.seq_len}{tied}"
+
+
+#: The reference workloads by name.
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("gpt-B16-T128", "gpt", 16, 128, False),
+        Workload("gpt-B16-T128-tied", "gpt", 16, 128, True),
+        Workload("gpt-B64-T128", "gpt", 64, 128, False),
+        Workload("gpt-B64-T128-tied", "gpt", 64, 128, True),
+        Workload("gpt-B4-T512", "gpt", 4, 512, False),
+        Workload("gpt-B4-T512-tied", "gpt", 4, 512, True),
+        Workload("bert-B32-T128", "bert", 32, 128, False),
+        Workload("dpformer-B128-T50-tied", "dpformer", 128, 50, True),
+    )
+}
+
+
+class MethodSkippedError(Exception):
+    """A method deliberately not run on a workload; the message says why."""
+
+
+@dataclass
+class BuiltStep:
+    """One method's training step on one workload.
+
+    Attributes:
+        step: runs one full training step (forward, loss, backward, optimizer step).
+        note: what differs from the plain workload for this method, if anything.
+    """
+
+    step: Callable[[], None]
+    note: str | None = None
+
+
+def first_line(exc: BaseException) -> str:
+    """``TypeName: first line of the message``: how a refusal is shown in a record."""
+    if isinstance(exc, MethodSkippedError):
+        return str(exc)
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip()
+
+
+def check_workloads(names: list[str] | tuple[str, ...]) -> tuple[Workload, ...]:
+    """The workloads named, in order; an unknown name raises ValueError naming the choices."""
+    bad = [n for n in names if n not in WORKLOADS]
+    if bad or not names:
+        raise ValueError(
+            f"workloads={','.join(bad) or '(none)'} is not allowed: expected some of "
+            f"{', '.join(WORKLOADS)}"
+        )
+    return tuple(WORKLOADS[n] for n in names)
+
+
+def check_methods(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The methods named, ``nonprivate`` first (always included: ratios are to it)."""
+    bad = [n for n in names if n not in METHODS]
+    if bad:
+        raise ValueError(
+            f"methods={','.join(bad)} is not allowed: expected some of {', '.join(METHODS)}"
+        )
+    return tuple(m for m in METHODS if m == "nonprivate" or m in names)
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def preload(workload: Workload, method: str) -> None:
+    """Import what this (workload, method) needs, so that a memory cap set afterwards
+    limits the training and not the imports; missing libraries raise MethodSkippedError."""
+    if workload.model == "bert":
+        if not _installed("transformers"):
+            raise MethodSkippedError(
+                "skipped: transformers not installed (pip install 'dptrain[bench]')"
+            )
+        import transformers  # noqa: F401
+
+    if method in OPACUS_METHODS:
+        if not _installed("opacus"):
+            raise MethodSkippedError("skipped: opacus not installed (pip install 'dptrain[bench]')")
+        import opacus  # noqa: F401
+    elif method in DPTRAIN_METHODS:
+        import dptrain.clipping  # noqa: F401
+
+
+# -- models and batches -------------------------------------------------------------------------
+
+
+def make_model(workload: Workload, device: str | torch.device = "cpu") -> nn.Module:
+    """The workload's model in training mode, with the same initial weights every call."""
+    torch.manual_seed(SEED)
+    if workload.model == "gpt":
+        from dptrain.models.gpt import GPT, GPTConfig
+
+        model: nn.Module = GPT(
+            GPTConfig(
+                vocab_size=GPT_VOCAB,
+                max_seq_len=512,
+                n_layer=4,
+                n_head=4,
+                d_model=256,
+                d_mlp=1024,
+                dropout=0.0,
+                tie_embeddings=workload.tied,
+            )
+        )
+    elif workload.model == "bert":
+        preload(workload, "nonprivate")
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        config = transformers.BertConfig(
+            vocab_size=BERT_VOCAB,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            max_position_embeddings=512,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=2,
+        )
+        model = transformers.BertForSequenceClassification(config)
+    elif workload.model == "dpformer":
+        from dptrain.models.seqrec_transformer import SeqRecConfig, SeqRecTransformer
+
+        model = SeqRecTransformer(
+            SeqRecConfig(
+                n_items=DPFORMER_ITEMS,
+                max_len=workload.seq_len,
+                d_model=64,
+                n_head=1,
+                n_layer=2,
+                tie_embeddings=workload.tied,
+                re_attention=True,
+            )
+        )
+    else:  # pragma: no cover - WORKLOADS holds only the three kinds
+        raise ValueError(f"model={workload.model!r} is not allowed: expected gpt, bert or dpformer")
+    return model.to(device).train()
+
+
+def make_batch(
+    workload: Workload, batch_size: int | None = None, device: str | torch.device = "cpu"
+) -> tuple[Any, Tensor]:
+    """(inputs, targets) of a fixed random batch (seed 0): token ids and next tokens for the
+    language models, a dict of (B, T) tensors and (B,) labels for the classifier."""
+    b = workload.batch_size if batch_size is None else batch_size
+    t = workload.seq_len
+    gen = torch.Generator().manual_seed(SEED)
+    if workload.model == "bert":
+        ids = torch.randint(0, BERT_VOCAB, (b, t), generator=gen)
+        inputs = {
+            "input_ids": ids,
+            "attention_mask": torch.ones(b, t, dtype=torch.long),
+            "token_type_ids": torch.zeros(b, t, dtype=torch.long),
+            "position_ids": torch.arange(t).expand(b, t).contiguous(),
+        }
+        labels = torch.randint(0, 2, (b,), generator=gen)
+        return {k: v.to(device) for k, v in inputs.items()}, labels.to(device)
+    low, high = (0, GPT_VOCAB) if workload.model == "gpt" else (1, DPFORMER_ITEMS + 1)
+    ids = torch.randint(low, high, (b, t + 1), generator=gen)
+    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+
+
+def _logits(model: nn.Module, workload: Workload, inputs: Any) -> Tensor:
+    if workload.model == "bert":
+        return model(**inputs).logits  # (B, 2)
+    return model(inputs)  # (B, T, V)
+
+
+def _ignore_index(workload: Workload) -> int:
+    return 0 if workload.model == "dpformer" else -100  # item 0 is padding
+
+
+def _mean_loss(workload: Workload, logits: Tensor, targets: Tensor) -> Tensor:
+    """The non-private (and Opacus) loss: mean cross-entropy over tokens / examples."""
+    return F.cross_entropy(
+        logits.flatten(0, -2), targets.flatten(), ignore_index=_ignore_index(workload)
+    )
+
+
+def _per_example_losses(workload: Workload, logits: Tensor, targets: Tensor) -> Tensor:
+    """(B,) losses for the clipping engine: summed over a sequence's tokens for the GPT
+    (as the engine benchmark), averaged for DPFormer (as its recipe), one per text for BERT."""
+    from dptrain.losses import per_example_cross_entropy
+
+    if workload.model == "bert":
+        return F.cross_entropy(logits, targets, reduction="none")
+    reduction = "sum" if workload.model == "gpt" else "mean"
+    return per_example_cross_entropy(
+        logits, targets, ignore_index=_ignore_index(workload), reduction=reduction
+    )
+
+
+def instantiate_bytes(workload: Workload, batch_size: int | None = None) -> float:
+    """Rough peak of ``norm_method="instantiate"``: the largest Linear's per-example
+    gradients (B, d_out, d_in) in float32, plus their square."""
+    b = workload.batch_size if batch_size is None else batch_size
+    largest = {"gpt": GPT_VOCAB * 256, "bert": 1024 * 256, "dpformer": (DPFORMER_ITEMS + 1) * 64}
+    return 2.0 * b * largest[workload.model] * 4
+
+
+class _BatchedPositions(nn.Module):
+    """A position embedding looked up with (B, T) positions instead of (T,).
+
+    Opacus derives an Embedding's per-example gradients from its input, which
+    must have the batch dimension. Same parameter, same output (broadcast
+    either way); the batch size comes from the model's input via a pre-hook.
+    """
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.batch_size = 1
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The wrapped embedding's weight (the DPFormer moments read it)."""
+        return self.embedding.weight
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """(T,) -> (B, T, d)."""
+        return self.embedding(positions.unsqueeze(0).expand(self.batch_size, -1))
+
+
+def _batch_positions(model: nn.Module, workload: Workload) -> str | None:
+    attr = {"gpt": "wpe", "dpformer": "pos_emb"}.get(workload.model)
+    if attr is None:
+        return None
+    wrapper = _BatchedPositions(getattr(model, attr))
+    setattr(model, attr, wrapper)
+
+    def remember_batch(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        wrapper.batch_size = args[0].shape[0]
+
+    model.register_forward_pre_hook(remember_batch)
+    return f"{attr} looked up with (B, T) positions (Opacus needs a batch dimension)"
+
+
+# -- one training step per method ---------------------------------------------------------------
+
+
+def build_step(
+    workload: Workload | str,
+    method: str,
+    *,
+    device: str | torch.device = "cpu",
+    batch_size: int | None = None,
+) -> BuiltStep:
+    """Model, optimizer and batch for one (workload, method); a closure runs one step.
+
+    Raises :class:`MethodSkippedError` for a deliberate skip; any other exception
+    is the method refusing the model (the benchmark records it as the row's error).
+    """
+    if isinstance(workload, str):
+        (workload,) = check_workloads([workload])
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not allowed: expected one of {', '.join(METHODS)}")
+    if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
+        raise ValueError(f"batch_size={batch_size!r} is not allowed: expected an integer >= 1")
+    b = workload.batch_size if batch_size is None else batch_size
+    preload(workload, method)
+    if method == "dptrain-instantiate":
+        need = instantiate_bytes(workload, b)
+        if need > INSTANTIATE_LIMIT_BYTES:
+            raise MethodSkippedError(
+                f"skipped: per-example gradients need ~{need / 1e9:.1f} GB "
+                f"(> {INSTANTIATE_LIMIT_BYTES / 1e9:.0f} GB)"
+            )
+    x, y = make_batch(workload, b, device)
+    model = make_model(workload, device)
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+    if method == "nonprivate":
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+        def step() -> None:
+            opt.zero_grad()
+            _mean_loss(workload, _logits(model, workload, x), y).backward()
+            opt.step()
+
+        return BuiltStep(step)
+
+    if method in DPTRAIN_METHODS:
+        from dptrain.clipping import ClippingEngine
+        from dptrain.optim import DPOptimizer
+
+        engine = ClippingEngine(model, 1.0, **_DPTRAIN_KWARGS[method])
+        dpopt = DPOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=LR),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            expected_batch_size=b,
+            sample_rate=0.01,
+            seed=SEED,
+        )
+
+        def dp_step() -> None:
+            dpopt.zero_grad()
+            engine.backward(_per_example_losses(workload, _logits(model, workload, x), y))
+            dpopt.step()
+
+        return BuiltStep(dp_step)
+
+    return _opacus_step(workload, method, model, x, y, b)
+
+
+def _opacus_step(
+    workload: Workload, method: str, model: nn.Module, x: Any, y: Tensor, b: int
+) -> BuiltStep:
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    note = _batch_positions(model, workload)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    first = x["input_ids"] if isinstance(x, dict) else x
+    loader = DataLoader(TensorDataset(first.cpu(), y.cpu()), batch_size=b)
+    mode = method.removeprefix("opacus-")
+    out = PrivacyEngine().make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        # reduction "mean", as loss_reduction
+        criterion=nn.CrossEntropyLoss(ignore_index=_ignore_index(workload)),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode=mode,
+        poisson_sampling=False,
+    )
+    if mode == "ghost":
+        gs_model, dp_opt, criterion, _ = out
+
+        def ghost_step() -> None:
+            dp_opt.zero_grad()
+            logits = _logits(gs_model, workload, x)
+            if logits.dim() == 3:  # one privacy unit per sequence
+                loss = criterion(logits.flatten(0, 1), y.flatten(), shape=logits.shape)
+            else:
+                loss = criterion(logits, y)
+            loss.backward()  # both backward passes
+            dp_opt.step()
+
+        return BuiltStep(ghost_step, note)
+
+    gs_model, dp_opt, _ = out
+
+    def hooks_step() -> None:
+        dp_opt.zero_grad()
+        _mean_loss(workload, _logits(gs_model, workload, x), y).backward()
+        dp_opt.step()
+
+    return BuiltStep(hooks_step, note)

@@ -465,7 +465,7 @@ def test_config_from_yaml_and_overrides(files, tmp_path):
     )
     cfg = load_config(ClassifyTrainConfig, path)
     assert (cfg.method, cfg.epsilon, cfg.micro_batches, cfg.batch_size) == ("dpfp", 3.0, 4, 8)
-    assert (cfg.max_norm, cfg.head_lr, cfg.lr) == (1.0, 1e-3, None)  # the method's defaults
+    assert (cfg.max_norm, cfg.head_lr, cfg.lr) == (1.0, 0.1, None)  # the method's defaults
     assert cfg.label_words == ["terrible", "great"]
     cfg = load_config(
         ClassifyTrainConfig,
@@ -473,7 +473,7 @@ def test_config_from_yaml_and_overrides(files, tmp_path):
         ["method=dpsgd", "epsilon=8", "lr=1e-4", "label_words=bad,good", "progress=false"],
     )
     assert (cfg.method, cfg.epsilon, cfg.lr, cfg.progress) == ("dpsgd", 8.0, 1e-4, False)
-    assert (cfg.max_norm, cfg.head_lr, cfg.batch_size) == (0.1, 1e-3, 8)
+    assert (cfg.max_norm, cfg.head_lr, cfg.batch_size) == (0.1, 0.1, 8)
     assert cfg.label_words == ["bad", "good"]
     # the checks run on the loaded values
     with pytest.raises(ValueError, match=r"^lr=0\.0001 is not allowed with method='dpfp'"):

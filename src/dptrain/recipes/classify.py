@@ -91,15 +91,18 @@ _OBJECTIVES = ("linear", "infilling")
 _DELTA_RULES = ("1/N^1.1", "1/(2N)")
 
 #: What ``None`` means for each method's batch_size, max_norm, lr (encoder) and head_lr.
-#: DP-FP: the paper's M = 32, C = 1, expected batch 32, lr 5e-6 for fine-tuning; the
-#: fresh head gets 1e-3 (5e-6 barely moves a randomly initialised layer in 3 epochs).
+#: DP-FP: the paper's M = 32, C = 1, expected batch 32, lr 5e-6 for fine-tuning.
 #: DP-SGD: Li et al.'s large batch and C = 0.1 with DP-Adam at lr 5e-4.
+#: head_lr of the private methods, 0.1, was chosen on the dev split with the frozen
+#: methods (Rotten Tomatoes, 1,000 texts, epsilon 3, seed 0, head_lr in {1e-3, 1e-2, 1e-1}:
+#: dev accuracy 0.58 / 0.58 / 0.74 for dpsgd-head, 0.59 / 0.61 / 0.63 for dpfp); smaller
+#: rates leave the fresh head at the majority class after 3 epochs of noisy steps.
 METHOD_DEFAULTS: dict[str, dict[str, float | int | None]] = {
     "nonprivate": {"batch_size": 32, "max_norm": None, "lr": 5e-5, "head_lr": 1e-3},
-    "dpsgd": {"batch_size": 256, "max_norm": 0.1, "lr": 5e-4, "head_lr": 1e-3},
-    "dpsgd-head": {"batch_size": 256, "max_norm": 0.1, "lr": None, "head_lr": 1e-2},
-    "dpfp": {"batch_size": 32, "max_norm": 1.0, "lr": None, "head_lr": 1e-3},
-    "dpfp-finetune": {"batch_size": 32, "max_norm": 1.0, "lr": 5e-6, "head_lr": 1e-3},
+    "dpsgd": {"batch_size": 256, "max_norm": 0.1, "lr": 5e-4, "head_lr": 0.1},
+    "dpsgd-head": {"batch_size": 256, "max_norm": 0.1, "lr": None, "head_lr": 0.1},
+    "dpfp": {"batch_size": 32, "max_norm": 1.0, "lr": None, "head_lr": 0.1},
+    "dpfp-finetune": {"batch_size": 32, "max_norm": 1.0, "lr": 5e-6, "head_lr": 0.1},
 }
 
 #: Label words for text infilling on the packaged data (label k -> word k).

@@ -7,6 +7,7 @@
     dptrain train seqrec    train one sequential recommender (config + key=value overrides)
     dptrain train classify  private text classification: --method nonprivate | dpsgd |
                             dpsgd-head | dpfp | dpfp-finetune (config + key=value overrides)
+    dptrain train ... --nproc N   the same run on N local processes (torchrun; DP-SGD only)
     dptrain experiment dpformer   the DPFormer Table 1 grid (models x epsilon x seeds)
     dptrain experiment dpfp       DP-FP vs DP-SGD vs non-private (methods x epsilon x seeds)
     dptrain demo            the main job: a short DPFormer experiment on MovieLens-100k
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -149,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--accountant",
         help="calibration accountant (pld default; gdp = the DP-FP paper's CLT route)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train on N local processes: re-runs this command under torchrun --standalone "
+        "--nproc_per_node N (DP-SGD runs only: seqrec with epsilon, classify dpsgd / "
+        "dpsgd-head); 1 (default): in this process",
     )
     _add_config_arguments(p)
 
@@ -529,6 +540,25 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     return 0
 
 
+def _torchrun_train(args: argparse.Namespace) -> int:
+    """``dptrain train ... --nproc N``: the same command on N local processes (torchrun)."""
+    import subprocess
+
+    if os.environ.get("WORLD_SIZE") not in (None, "", "1"):
+        raise ValueError(
+            f"--nproc={args.nproc} is not allowed under torchrun (WORLD_SIZE="
+            f"{os.environ['WORLD_SIZE']}): give the process count to torchrun or to --nproc, "
+            "not both"
+        )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", str(args.nproc), "-m", "dptrain.cli", "train", args.recipe]
+    for flag in ("method", "accountant", "config"):
+        if getattr(args, flag) is not None:
+            command += [f"--{flag}", str(getattr(args, flag))]
+    command += list(args.overrides)
+    return subprocess.run(command, check=False).returncode
+
+
 def _train(args: argparse.Namespace) -> int:
     """``dptrain train seqrec|classify``: one run of a recipe."""
     from dptrain.config import load_config
@@ -536,19 +566,30 @@ def _train(args: argparse.Namespace) -> int:
     flags = {"method": args.method, "accountant": args.accountant}
     if args.recipe != "classify" and args.method is not None:
         raise ValueError(f"--method={args.method!r} is not allowed: it is for 'train classify'")
+    if args.nproc < 1:
+        raise ValueError(f"--nproc={args.nproc} is not allowed: expected an integer >= 1")
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
     if args.recipe == "seqrec":
-        from dptrain.recipes.seqrec import SeqRecTrainConfig, train_seqrec
+        from dptrain.recipes.seqrec import SeqRecTrainConfig, check_world_size, train_seqrec
 
         cfg = load_config(SeqRecTrainConfig, args.config, overrides)
+        if args.nproc > 1:  # bad input fails here, once, before any process starts
+            check_world_size(cfg, args.nproc)
+            return _torchrun_train(args)
         results = train_seqrec(cfg)
         keys = ("model", "epsilon", "delta", "ndcg@10", "hit@10", "mrr", "best_epoch")
     else:
-        from dptrain.recipes.classify import ClassifyTrainConfig, train_classify
+        from dptrain.recipes.classify import ClassifyTrainConfig, check_world_size, train_classify
 
         cfg = load_config(ClassifyTrainConfig, args.config, overrides)
+        if args.nproc > 1:
+            check_world_size(cfg, args.nproc)
+            return _torchrun_train(args)
         results = train_classify(cfg)
         keys = ("method", "accuracy", "dev_accuracy", "epsilon", "delta", "best_epoch")
+    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports the run
+        return 0
+    if args.recipe == "classify":
         print(results["privacy_scope_detail"])
     print(format_table(keys, [[results[k] for k in keys]]))
     print(f"run folder: {cfg.out} (results.json, metrics.jsonl, plots/)")

@@ -329,3 +329,80 @@ def test_output_whose_first_dimension_is_not_the_batch_size_is_refused():
     engine.backward(losses)
     assert model.positions.weight.grad is not None
     engine.detach()
+
+
+# -- position ids without a batch dimension ------------------------------------------------
+
+
+class _NanoPositions(nn.Module):
+    """nanoGPT-style: positions looked up with a 1-D arange(T) and broadcast over the batch."""
+
+    def __init__(self, vocab=11, max_len=8, width=4):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(max_len, width)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, ids):
+        pos = self.positions(torch.arange(ids.shape[1]))  # (T, k)
+        return self.head((self.tokens(ids) + pos).mean(1))
+
+
+def _nano_case(batch, seq):
+    from tests.clipping.oracle_check import assert_engine_matches_oracle
+
+    torch.manual_seed(0)
+    model = _NanoPositions().double()
+    ids = torch.randint(0, 11, (batch, seq))
+    labels = torch.randint(0, 2, (batch,))
+
+    def losses_of(sl):
+        return nn.functional.cross_entropy(model(ids[sl]), labels[sl], reduction="none")
+
+    return model, losses_of, assert_engine_matches_oracle
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+def test_one_d_positions_are_clipped_per_example_when_t_differs_from_b(mode):
+    model, losses_of, check = _nano_case(batch=3, seq=5)
+    check(model, losses_of, 3, mode=mode)
+
+
+def test_one_d_positions_are_refused_when_t_equals_b():
+    # (T,) positions and (B,) per-example ids look alike when T == B; guessing "per example"
+    # would clip each POSITION's gradient (a privacy bug), so the engine refuses instead.
+    model, losses_of, _ = _nano_case(batch=5, seq=5)
+    engine = ClippingEngine(model, 1.0)
+    with refuses(
+        "module positions (Embedding) got a 1-D input of length 5, which is both the batch "
+        "size and the sequence length of the batch (5, 5): the engine cannot tell shared "
+        "position ids from per-example ids. Pass position ids with a batch dimension, shape "
+        "(1, T) or (B, T)."
+    ):
+        losses_of(slice(None))
+    engine.clear()
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+def test_packaged_models_are_exact_when_a_chunk_holds_t_examples(mode):
+    # Regression: GPT / SeqRecTransformer looked positions up with a 1-D arange(T), which the
+    # engine took for per-example ids whenever a physical chunk held exactly T examples.
+    from dptrain.models.seqrec_transformer import SeqRecConfig, SeqRecTransformer
+    from tests.clipping.oracle_check import assert_engine_matches_oracle
+    from tests.clipping.test_models import gpt_case
+
+    model, losses_of, b = gpt_case(True, batch=6, seq=6)
+    assert_engine_matches_oracle(model, losses_of, b, mode=mode)
+    torch.manual_seed(0)
+    rec = SeqRecTransformer(
+        SeqRecConfig(n_items=9, max_len=5, d_model=8, n_head=2, n_layer=1, dropout=0.0)
+    ).double()
+    items = torch.randint(1, 10, (5, 5))
+    targets = torch.randint(1, 10, (5, 5))
+
+    def rec_losses(sl):
+        from dptrain.losses import per_example_cross_entropy
+
+        return per_example_cross_entropy(rec(items[sl]), targets[sl], ignore_index=0)
+
+    assert_engine_matches_oracle(rec, rec_losses, 5, mode=mode)

@@ -37,8 +37,8 @@ multiplier 1 where private:
 
 Opacus computes per-example gradients of an ``nn.Embedding`` from its input,
 so the input must carry the batch dimension. The GPT and DPFormer models look
-up their position embedding with ``arange(T)`` of shape (T,) and broadcast it
-over the batch (as nanoGPT and HF GPT-2 do); for the Opacus methods only, that
+up their position embedding with ``arange(T)[None]`` of shape (1, T) and broadcast
+it over the batch (as HF GPT-2 does); for the Opacus methods only, that
 lookup is wrapped to use positions of shape (B, T) (same parameters, same
 output; records say so in their ``note``). The BERT batch passes
 ``position_ids`` and ``token_type_ids`` of shape (B, T) to every method.
@@ -342,7 +342,7 @@ def instantiate_bytes(workload: Workload, batch_size: int | None = None) -> floa
 
 
 class _BatchedPositions(nn.Module):
-    """A position embedding looked up with (B, T) positions instead of (T,).
+    """A position embedding looked up with (B, T) positions instead of (1, T).
 
     Opacus derives an Embedding's per-example gradients from its input, which
     must have the batch dimension. Same parameter, same output (broadcast
@@ -360,8 +360,8 @@ class _BatchedPositions(nn.Module):
         return self.embedding.weight
 
     def forward(self, positions: Tensor) -> Tensor:
-        """(T,) -> (B, T, d)."""
-        return self.embedding(positions.unsqueeze(0).expand(self.batch_size, -1))
+        """(1, T) or (T,) -> (B, T, d)."""
+        return self.embedding(positions.reshape(1, -1).expand(self.batch_size, -1))
 
 
 def _batch_positions(model: nn.Module, workload: Workload) -> str | None:

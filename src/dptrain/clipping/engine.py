@@ -139,6 +139,7 @@ class ClippingEngine:
         self._groups = self._group_params()
         self.layer_max_grad_norms = self._layer_thresholds(layer_max_grad_norms)
         self._batch_size: int | None = None
+        self._batch_shape: tuple[int, ...] | None = None
         # Per-example gradients of instantiated modules, kept from the norms for the sum.
         self._per_example: dict[_Use, dict[str, Tensor]] = {}
         self._handles = [
@@ -254,7 +255,8 @@ class ClippingEngine:
     # -- hooks ----------------------------------------------------------------------------
 
     def _root_pre_hook(self, module, args, kwargs):
-        self._batch_size = _batch_size_of(args, kwargs)
+        self._batch_shape = _batch_shape_of(args, kwargs)
+        self._batch_size = None if self._batch_shape is None else self._batch_shape[0]
         if not self._checked and torch.is_grad_enabled() and self._outside_check is None:
             owners = {}
             for name, uses in self._groups.items():
@@ -289,6 +291,24 @@ class ClippingEngine:
                 return None
             a = args[0]
             b = self._batch_size
+            shape = self._batch_shape
+            if (
+                b is not None
+                and isinstance(use.rule, EmbeddingRule)
+                and a.dim() == 1
+                and a.shape[0] == b
+                and shape is not None
+                and len(shape) >= 2
+                and shape[1] == b
+            ):
+                # (T,) position ids or (B,) per-example ids? With T == B the shapes cannot
+                # tell, and guessing wrong would clip per position instead of per example.
+                raise UnsupportedModelError(
+                    f"module {use.name} ({type(module).__name__}) got a 1-D input of length {b}, "
+                    f"which is both the batch size and the sequence length of the batch "
+                    f"{shape}: the engine cannot tell shared position ids from per-example ids. "
+                    "Pass position ids with a batch dimension, shape (1, T) or (B, T)."
+                )
             if b is not None and (a.dim() == 0 or a.shape[0] != b):
                 if isinstance(use.rule, EmbeddingRule) and (a.dim() == 1 or a.shape[0] == 1):
                     # Shared positions (HF/nanoGPT position ids of shape (T,) or (1, T)):
@@ -521,28 +541,34 @@ def upcast(t: Tensor) -> Tensor:
 _BATCH_KEYS = ("input_ids", "inputs_embeds", "input", "x", "idx")
 
 
-def _batch_size_of(args: tuple, kwargs: dict) -> int | None:
-    """The batch size of the root model's call: its usual input names first, then any tensor.
+def _batch_shape_of(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    """Shape of the root model's batch input: its usual input names first, then any tensor.
 
     Inputs may come in a dict, list or tuple (e.g. a tokenizer's batch dict), searched in order.
     """
     for key in _BATCH_KEYS:
         v = kwargs.get(key)
         if isinstance(v, Tensor) and v.dim() > 0:
-            return int(v.shape[0])
+            return tuple(v.shape)
     for v in (*args, *kwargs.values()):
         if isinstance(v, Tensor):
             if v.dim() > 0:
-                return int(v.shape[0])
+                return tuple(v.shape)
         elif isinstance(v, Mapping):
-            found = _batch_size_of((), dict(v))
+            found = _batch_shape_of((), dict(v))
             if found is not None:
                 return found
         elif isinstance(v, list | tuple):
-            found = _batch_size_of(tuple(v), {})
+            found = _batch_shape_of(tuple(v), {})
             if found is not None:
                 return found
     return None
+
+
+def _batch_size_of(args: tuple, kwargs: dict) -> int | None:
+    """The batch size of the root model's call (first dimension of :func:`_batch_shape_of`)."""
+    shape = _batch_shape_of(args, kwargs)
+    return None if shape is None else shape[0]
 
 
 def _owner_type(model: nn.Module, param_name: str) -> str:

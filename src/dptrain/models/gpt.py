@@ -3,7 +3,7 @@
 The model follows GPT-2 (and Karpathy's nanoGPT) and reads top to bottom::
 
     idx (B, T) token ids
-      -> wte(idx) (B, T, d) + wpe(arange(T)) (T, d)   token + learned position embeddings
+      -> wte(idx) (B, T, d) + wpe(arange(T)[None]) (1, T, d)   token + learned positions
       -> dropout
       -> n_layer x Block:                              pre-LN (default):
              x = x + attn(ln_1(x))                         causal self-attention
@@ -34,13 +34,14 @@ backward hooks keep for the per-example rules.
 
 Two details matter for per-example gradients:
 
-- the position embedding is looked up with ``torch.arange(T)`` of shape (T,),
-  with no batch dimension, and its (T, d) output is broadcast over the batch,
-  as in nanoGPT and Hugging Face GPT-2. This is deliberate: it keeps the model
-  identical to the reference implementations, and the per-example rule for
-  ``wpe`` must handle an input without a batch dimension (every example uses
-  the same positions, so row t of an example's ``wpe`` gradient is that
-  example's gradient with respect to the embedding output at position t);
+- the position embedding is looked up with ``torch.arange(T)[None]`` of shape
+  (1, T), and its (1, T, d) output is broadcast over the batch, as Hugging Face
+  GPT-2 does (nanoGPT looks up a 1-D (T,) arange). The per-example rule for
+  ``wpe`` gives every example its own copy of the shared positions (row t of
+  an example's ``wpe`` gradient is that example's gradient with respect to the
+  embedding output at position t). A batch dimension of 1 keeps this
+  unambiguous: a 1-D (T,) lookup cannot be told apart from per-example ids
+  when a chunk happens to hold T examples, and the engine refuses it then;
 - with ``tie_embeddings=True``, ``lm_head.weight`` is the same ``Parameter``
   object as ``wte.weight``, so that one matrix receives gradients from both an
   Embedding and a Linear (the case phantom clipping handles).
@@ -257,9 +258,9 @@ class GPT(nn.Module):
         t = idx.size(1)  # T
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length T={t} exceeds max_seq_len={self.config.max_seq_len}")
-        pos = torch.arange(t, device=idx.device)  # (T,): no batch dimension, on purpose
+        pos = torch.arange(t, device=idx.device).unsqueeze(0)  # (1, T): shared by the batch
         tok_emb = self.wte(idx)  # (B, T, d)
-        pos_emb = self.wpe(pos)  # (T, d), broadcast over B
+        pos_emb = self.wpe(pos)  # (1, T, d), broadcast over B
         x = self.drop(tok_emb + pos_emb)  # (B, T, d)
         for block in self.blocks:
             x = block(x)  # (B, T, d)

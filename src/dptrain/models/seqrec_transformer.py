@@ -3,7 +3,7 @@
 The model reads top to bottom::
 
     items (B, L) item ids, LEFT-padded, 0 = padding
-      -> item_emb(items) (B, L, d) + pos_emb(arange(L)) (L, d)   item + learned position
+      -> item_emb(items) (B, L, d) + pos_emb(arange(L)[None]) (1, L, d)   item + learned position
       -> dropout
       -> n_layer x Block                                  pre-LN (default):
              x = x + attn(ln_1(x))                             causal, padding-masked
@@ -23,7 +23,7 @@ exactly 0, and so no gradient reaches column 0.
 Parameters live only in ``nn.Linear``, ``nn.Embedding`` and ``nn.LayerNorm``
 (the module types the clipping engine has per-example rules for), residuals
 are written ``x = x + f(x)`` (never in place), and the position embedding is
-looked up with ``arange(L)`` of shape (L,), as in :mod:`dptrain.models.gpt`.
+looked up with ``arange(L)[None]`` of shape (1, L), as in :mod:`dptrain.models.gpt`.
 With ``tie_embeddings=True`` the scoring layer's weight is the same Parameter
 as the item embedding (phantom clipping in the engine); untied, it is a
 separate matrix (the paper's "Transformer without parameter sharing").
@@ -371,7 +371,7 @@ class SeqRecTransformer(nn.Module):
         n = items.shape[1]  # L
         if n > self.config.max_len:
             raise ValueError(f"sequence length L={n} exceeds max_len={self.config.max_len}")
-        pos = torch.arange(n, device=items.device)  # (L,): no batch dimension, on purpose
+        pos = torch.arange(n, device=items.device).unsqueeze(0)  # (1, L): shared by the batch
         x = self.drop(self.item_emb(items) + self.pos_emb(pos))  # (B, L, d)
         mask = self.attention_mask(items, x.dtype)  # (B, 1, L, L)
         track = self.config.re_attention or key_vars is not None

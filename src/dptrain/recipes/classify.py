@@ -32,6 +32,14 @@ Steps:
    ``ledger.json``, ``metrics.jsonl``, ``results.json``, ``plots/curves.png``
    and, with ``save_checkpoint``, ``checkpoints/best.pt``.
 
+Several processes: ``dpsgd`` and ``dpsgd-head`` run under torchrun
+(``WORLD_SIZE`` > 1; ``dptrain train classify --nproc N`` starts it) through
+:func:`~dptrain.distributed.make_private_distributed`: the same logical
+batches, one noise draw per step and the same ledger as one process; every
+rank evaluates, only rank 0 writes the run folder (and the feature cache) and
+shows the progress bar. ``nonprivate``, ``dpfp`` and ``dpfp-finetune`` run in
+one process only and refuse ``WORLD_SIZE`` > 1.
+
 Objectives: ``linear`` (a fresh linear head on the pooled representation)
 or ``infilling`` (Li et al. section 3.2: the text followed by ``prompt``, and
 the masked-LM logits of one label word per class at its [MASK]; needs an
@@ -68,9 +76,11 @@ from dptrain.accounting import (
 )
 from dptrain.config import save_config
 from dptrain.data.text_classification import TextClassificationData
+from dptrain.distributed import make_private_distributed
 from dptrain.dpfp import DPForwardLayer, DPFPTrainer
 from dptrain.models.text_classifier import LabelWordHead, PooledEncoder, TextClassifier
 from dptrain.privacy_engine import make_private
+from dptrain.recipes._launch import Launch, launch, refuse_several_processes
 from dptrain.recipes.seqrec import resolve_delta
 
 __all__ = [
@@ -89,6 +99,8 @@ _FROZEN = ("dpsgd-head", "dpfp")  # the encoder is not trained
 _DPFP = ("dpfp", "dpfp-finetune")
 _OBJECTIVES = ("linear", "infilling")
 _DELTA_RULES = ("1/N^1.1", "1/(2N)")
+#: Methods that run on several processes (torchrun); the others train in one process.
+_MULTI_PROCESS = ("dpsgd", "dpsgd-head")
 
 #: What ``None`` means for each method's batch_size, max_norm, lr (encoder) and head_lr.
 #: DP-FP: the paper's M = 32, C = 1, expected batch 32, lr 5e-6 for fine-tuning.
@@ -508,9 +520,16 @@ def _represent(encoder: PooledEncoder, data: _TokenizedTexts, batch_size: int) -
 
 
 def _frozen_features(
-    cfg: ClassifyTrainConfig, folder: Path, encoder: PooledEncoder, splits: dict[str, Any]
+    cfg: ClassifyTrainConfig,
+    folder: Path,
+    encoder: PooledEncoder,
+    splits: dict[str, Any],
+    write: bool = True,
 ) -> dict[str, Tensor]:
-    """Representations of every split, from ``feature_cache`` when it has them."""
+    """Representations of every split, from ``feature_cache`` when it has them.
+
+    ``write=False`` (ranks other than 0) reads the cache but does not fill it.
+    """
     key = None
     if cfg.feature_cache is not None:
         digest = hashlib.sha256()
@@ -522,7 +541,7 @@ def _frozen_features(
         if key.is_file():
             return torch.load(key, weights_only=True)
     feats = {name: _represent(encoder, splits[name], cfg.eval_batch_size) for name in splits}
-    if key is not None:
+    if key is not None and write:
         key.parent.mkdir(parents=True, exist_ok=True)
         tmp = key.with_suffix(f".{os.getpid()}.tmp")  # grid workers may race: write, then rename
         torch.save(feats, tmp)
@@ -571,6 +590,22 @@ def _spent(ledger: PrivacyLedger, delta: float | None) -> float:
     return make_accountant("pld", ledger, value_discretization_interval=1e-3).epsilon(delta)
 
 
+def check_world_size(cfg: ClassifyTrainConfig, world_size: int | None = None) -> None:
+    """Refuse (``ValueError``) a method that runs in one process when there are several.
+
+    dpsgd and dpsgd-head train data-parallel; nonprivate, dpfp and dpfp-finetune
+    would run W copies. ``world_size``: default ``WORLD_SIZE``.
+    """
+    if cfg.method not in _MULTI_PROCESS:
+        what = "DP-FP" if cfg.method in _DPFP else "the non-private run"
+        refuse_several_processes(
+            f"method={cfg.method!r}",
+            f"{what} runs in one process (only {' and '.join(_MULTI_PROCESS)} run on several); "
+            "run it without torchrun / --nproc",
+            world_size,
+        )
+
+
 def train_classify(cfg: ClassifyTrainConfig) -> dict[str, Any]:
     """Run the recipe; return the ``results.json`` content."""
     t0 = time.perf_counter()
@@ -578,6 +613,16 @@ def train_classify(cfg: ClassifyTrainConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.num_threads)
     logging.getLogger("absl").setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_world_size(cfg)
+    run = launch()
+    try:
+        return _train_classify(cfg, run, t0)
+    finally:
+        run.close()
+
+
+def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[str, Any]:
+    main = run.is_main  # only rank 0 writes; with one process, the only rank
     torch.manual_seed(cfg.seed)
     # -- setup (nothing written until it has all passed) --
     data = load_classification_data(cfg)
@@ -590,20 +635,24 @@ def train_classify(cfg: ClassifyTrainConfig) -> dict[str, Any]:
     }
     plan = _plan(cfg, data.n_train)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
-    (out / "data.json").write_text(json.dumps(data.summary, indent=2, default=str))
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+        (out / "data.json").write_text(json.dumps(data.summary, indent=2, default=str))
     ledger = PrivacyLedger(privacy_unit="text")
 
     t_train = time.perf_counter()
-    history, best, trainable, scope_detail = _train(cfg, plan, classifier, splits, folder, ledger)
+    history, best, trainable, scope_detail = _train(
+        cfg, plan, classifier, splits, folder, ledger, run
+    )
     # training steps only: without the frozen encoder's pass and the dev evaluations
     train_time = time.perf_counter() - t_train - best["feature_time_s"] - best["eval_time_s"]
     trainable.load_state_dict(best["state"])
     test_data = best["test_data"]
     accuracy = _accuracy_of(best["model"], test_data, splits["test"].labels, cfg.eval_batch_size)
 
-    (out / "ledger.json").write_text(ledger.to_json())
+    if main:
+        (out / "ledger.json").write_text(ledger.to_json())
     eps = _epsilons(ledger, plan.delta) if cfg.private else {}
     results: dict[str, Any] = {
         "method": cfg.method,
@@ -650,6 +699,10 @@ def train_classify(cfg: ClassifyTrainConfig) -> dict[str, Any]:
             )
             + f"; 'epsilon' is the PLD epsilon of the same run: {results['epsilon']:.3g}"
         )
+    if run.distributed:
+        results["world_size"] = run.world_size
+    if not main:
+        return results
     (out / "results.json").write_text(json.dumps(results, indent=2))
     with (out / "metrics.jsonl").open("w") as f:
         for line in history:
@@ -661,14 +714,14 @@ def train_classify(cfg: ClassifyTrainConfig) -> dict[str, Any]:
     return results
 
 
-def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, ledger):
+def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, ledger, run: Launch):
     """The method's training loop; returns history, best state, trainable module, scope text."""
     frozen = cfg.method in _FROZEN
     head = classifier.head
     if frozen:
         classifier.encoder.requires_grad_(False)
         t_features = time.perf_counter()
-        feats = _frozen_features(cfg, folder, classifier.encoder, splits)
+        feats = _frozen_features(cfg, folder, classifier.encoder, splits, write=run.is_main)
         feature_time = time.perf_counter() - t_features
         train_set = torch.utils.data.TensorDataset(feats["train"], splits["train"].labels)
         trainable: nn.Module = head
@@ -685,7 +738,7 @@ def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, l
     collate = _stack if frozen else splits["train"].collate
     scope = _SCOPES[cfg.method]
     step_fn, describe = _make_step(
-        cfg, plan, classifier, trainable, optimizer, train_set, collate, ledger, scope
+        cfg, plan, classifier, trainable, optimizer, train_set, collate, ledger, scope, run
     )
 
     evals = {
@@ -694,7 +747,9 @@ def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, l
     evals[plan.steps] = cfg.epochs
     history: list[dict[str, Any]] = []
     best: dict[str, Any] = {"dev_accuracy": -1.0}
-    bar = tqdm(total=plan.steps, disable=not cfg.progress, desc=cfg.method, unit="step")
+    bar = tqdm(
+        total=plan.steps, disable=not (cfg.progress and run.is_main), desc=cfg.method, unit="step"
+    )
     loss_sum, loss_n = 0.0, 0
     eval_time = 0.0
     for step in range(1, plan.steps + 1):
@@ -705,6 +760,10 @@ def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, l
         bar.update(1)
         if step not in evals:
             continue
+        # every rank evaluates (the parameters are the same on every rank); the loss is
+        # summed over the ranks' shares (a collective at the same steps on every rank)
+        if run.distributed:
+            loss_sum, loss_n = run.sum(loss_sum, loss_n)
         t_eval = time.perf_counter()
         dev = _accuracy_of(eval_model, dev_data, splits["dev"].labels, cfg.eval_batch_size)
         spent = _spent(ledger, plan.delta)
@@ -737,8 +796,20 @@ def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, l
     return history, best, trainable, describe()
 
 
-def _make_step(cfg, plan, classifier, trainable, optimizer, train_set, collate, ledger, scope):
-    """A function running one training step -> (mean loss, records), and one describing scope."""
+def _make_step(
+    cfg, plan, classifier, trainable, optimizer, train_set, collate, ledger, scope, run=None
+):
+    """A function running one training step -> (mean loss, records), and one describing scope.
+
+    ``run``: with several processes (dpsgd / dpsgd-head only) the step is this rank's share
+    of the logical batch, and the loss and record count are this rank's.
+    """
+    distributed = run is not None and run.distributed
+    if distributed and cfg.method not in _MULTI_PROCESS:  # train_classify refuses it earlier
+        raise ValueError(
+            f"method={cfg.method!r} is not allowed with WORLD_SIZE={run.world_size}: it runs in "
+            "one process"
+        )
     if cfg.method in _DPFP:
         dp_layer = DPForwardLayer(cfg.max_norm, plan.noise_multiplier, seed=cfg.seed)
         frozen = cfg.method == "dpfp"
@@ -793,7 +864,8 @@ def _make_step(cfg, plan, classifier, trainable, optimizer, train_set, collate, 
 
         return plain_step, lambda: scope
 
-    private = make_private(
+    make = make_private_distributed if distributed else make_private
+    private = make(
         trainable,
         optimizer,
         train_set,
@@ -810,6 +882,8 @@ def _make_step(cfg, plan, classifier, trainable, optimizer, train_set, collate, 
         ledger=ledger,
     )
     batches = iter(private.data_loader)
+    if distributed and run.rank > 0:  # own dropout stream per rank (rank 0 keeps one process's)
+        torch.manual_seed(cfg.seed + 7919 * run.rank)
 
     def dpsgd_step() -> tuple[float, int]:
         batch = next(batches)

@@ -20,6 +20,13 @@
    ``results.json``, ``checkpoints/{best,last}.pt`` and PNG plots of
    validation NDCG over epochs and of epsilon over steps.
 
+Under torchrun (``WORLD_SIZE`` > 1; ``dptrain train seqrec --nproc N`` starts
+it) the private training runs data-parallel on the N processes through
+:func:`~dptrain.distributed.make_private_distributed` (the same logical
+batches, one noise draw per step, the same ledger as one process); every
+rank evaluates, only rank 0 writes the run folder and shows the progress
+bar. The non-private run and ``most-popular`` run in one process only.
+
 The guarantee is per record of the training data: on MovieLens one record is
 one user's whole sequence (user-level DP); on the news corpus one record is a
 text chunk (example-level DP). Labels are part of the record and protected.
@@ -50,10 +57,12 @@ from dptrain.accounting import (
     steps_from_epochs,
 )
 from dptrain.config import save_config
+from dptrain.distributed import make_private_distributed
 from dptrain.losses import per_example_cross_entropy
 from dptrain.mechanisms import dp_item_counts, item_presence_counts
 from dptrain.metrics.ranking import ranking_metrics, target_ranks
 from dptrain.privacy_engine import make_private
+from dptrain.recipes._launch import Launch, launch, refuse_several_processes
 
 __all__ = [
     "MODELS",
@@ -349,6 +358,26 @@ def _epsilons(ledger: PrivacyLedger, delta: float) -> dict[str, float]:
     return {name: make_accountant(name, ledger).epsilon(delta) for name in ACCOUNTANTS}
 
 
+def check_world_size(cfg: SeqRecTrainConfig, world_size: int | None = None) -> None:
+    """Refuse (``ValueError``) a run that cannot use several processes when there are several.
+
+    Only the private neural models train data-parallel; the non-private run and
+    most-popular would run W copies. ``world_size``: default ``WORLD_SIZE``.
+    """
+    if not cfg.private:
+        refuse_several_processes(
+            "epsilon=None (the non-private run)",
+            "it trains in one process; run it without torchrun / --nproc",
+            world_size,
+        )
+    if cfg.model == "most-popular":
+        refuse_several_processes(
+            "model='most-popular'",
+            "it trains nothing (one DP histogram) and runs in one process",
+            world_size,
+        )
+
+
 def train_seqrec(cfg: SeqRecTrainConfig) -> dict[str, Any]:
     """Run the recipe; return the ``results.json`` content."""
     t0 = time.perf_counter()
@@ -357,6 +386,16 @@ def train_seqrec(cfg: SeqRecTrainConfig) -> dict[str, Any]:
     # dp_accounting's RDP drops orders whose series does not converge, with a warning per
     # order; the epsilon is still valid (the remaining orders bound it).
     logging.getLogger("absl").setLevel(logging.ERROR)
+    check_world_size(cfg)
+    run = launch()
+    try:
+        return _train_seqrec(cfg, run, t0)
+    finally:
+        run.close()
+
+
+def _train_seqrec(cfg: SeqRecTrainConfig, run: Launch, t0: float) -> dict[str, Any]:
+    main = run.is_main  # only rank 0 writes; with one process, the only rank
     torch.manual_seed(cfg.seed)
     # -- setup (nothing written until it has all passed) --
     data = load_data(cfg)
@@ -364,17 +403,20 @@ def train_seqrec(cfg: SeqRecTrainConfig) -> dict[str, Any]:
     plan = _plan(cfg, n, data.privacy_unit)
     model = build_model(cfg, data.n_items) if cfg.model in _NEURAL else None
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
-    (out / "data.json").write_text(json.dumps(data.summary, indent=2, default=str))
+    metrics_path = out / "metrics.jsonl"
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+        (out / "data.json").write_text(json.dumps(data.summary, indent=2, default=str))
+        metrics_path.write_text("")
     gen = torch.Generator().manual_seed(cfg.seed)
     ledger = plan.ledger
-    metrics_path = out / "metrics.jsonl"
-    metrics_path.write_text("")
 
     needs_frequencies = cfg.model in ("dpformer", "most-popular")
     freq_note = None
     if needs_frequencies:
+        # With several processes every rank draws the same histogram (same seed) and records
+        # it; make_private_distributed then gives every rank rank 0's ledger and buffers.
         freqs, freq_note = _item_frequencies(cfg, data, plan, ledger, gen)
 
     history: list[dict[str, Any]] = []
@@ -386,13 +428,16 @@ def train_seqrec(cfg: SeqRecTrainConfig) -> dict[str, Any]:
     else:
         if cfg.model == "dpformer":
             model.set_effective_errors(plan.noise_multiplier, cfg.batch_size, freqs)
-        best_epoch, valid, eps_curve, history = _train(cfg, data, plan, model, ledger, out)
-        model.load_state_dict(torch.load(out / "checkpoints" / "best.pt", weights_only=True))
+        best_epoch, valid, eps_curve, history, best_state = _train(
+            cfg, data, plan, model, ledger, out, run
+        )
+        model.load_state_dict(best_state)  # the state saved in checkpoints/best.pt
         test = evaluate(
             model, data.test_inputs, data.test_targets, data.test_seen, cfg.eval_batch_size
         )
 
-    (out / "ledger.json").write_text(ledger.to_json())
+    if main:
+        (out / "ledger.json").write_text(ledger.to_json())
     eps = _epsilons(ledger, plan.delta) if cfg.private and ledger.num_steps else {}
     if eps and history:  # the last point is the whole run: report the exact figure
         history[-1]["epsilon"] = eps[cfg.accountant]
@@ -423,11 +468,14 @@ def train_seqrec(cfg: SeqRecTrainConfig) -> dict[str, Any]:
         "wall_time_s": time.perf_counter() - t0,
         "note": _privacy_note(cfg, data.privacy_unit),
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    for line in history:
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
-    _plot(history, eps_curve, cfg, out / "plots")
+    if run.distributed:
+        results["world_size"] = run.world_size
+    if main:
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+        for line in history:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+        _plot(history, eps_curve, cfg, out / "plots")
     return results
 
 
@@ -442,11 +490,14 @@ def _privacy_note(cfg: SeqRecTrainConfig, unit: str) -> str:
     return f"{scope}; the test split is held-out items of the same users and is not released"
 
 
-def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out: Path):
+def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out: Path, run: Launch):
     dataset = torch.utils.data.TensorDataset(data.train_inputs, data.train_targets)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.private:
-        private = make_private(
+        # Several processes: the same arguments; each rank gets its share of every logical
+        # batch, the clipped sums are all-reduced with one noise draw (rank 0's) per step.
+        make = make_private_distributed if run.distributed else make_private
+        private = make(
             model,
             optimizer,
             dataset,
@@ -464,6 +515,8 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
         )
         batches = iter(private.data_loader)
         opt = private.optimizer
+        if run.rank > 0:  # own dropout stream per rank (rank 0 keeps the one-process one)
+            torch.manual_seed(cfg.seed + 7919 * run.rank)
     else:
         loader = torch.utils.data.DataLoader(
             dataset,
@@ -476,12 +529,15 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(plan.steps, cfg.warmup_fraction))
 
     ckpt = out / "checkpoints"
-    ckpt.mkdir(exist_ok=True)
+    if run.is_main:
+        ckpt.mkdir(exist_ok=True)
     best = (-1.0, 0, {})
     best_state = None
     history: list[dict[str, Any]] = []
     eps_curve = [(0, _spent(ledger, plan, cfg.accountant))]
-    bar = tqdm(total=plan.steps, disable=not cfg.progress, desc=cfg.model, unit="step")
+    bar = tqdm(
+        total=plan.steps, disable=not (cfg.progress and run.is_main), desc=cfg.model, unit="step"
+    )
     # step -> epoch after which to evaluate (every eval_every epochs, and the last step)
     evals = {
         min(plan.steps, round(e * plan.steps / cfg.epochs)): e
@@ -512,6 +568,10 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
         bar.update(1)
         if step not in evals:
             continue
+        # every rank evaluates (the parameters are the same on every rank); the loss is
+        # summed over the ranks' shares (a collective at the same steps on every rank)
+        if run.distributed:
+            loss_sum, loss_n = run.sum(loss_sum, loss_n)
         valid = evaluate(
             model, data.valid_inputs, data.valid_targets, data.valid_seen, cfg.eval_batch_size
         )
@@ -536,8 +596,9 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
             ndcg=f"{valid['ndcg@10']:.4f}",
         )
     bar.close()
-    torch.save(best_state, ckpt / "best.pt")
-    if cfg.save_checkpoints:
+    if run.is_main:
+        torch.save(best_state, ckpt / "best.pt")
+    if cfg.save_checkpoints and run.is_main:
         torch.save(
             {
                 "model": model.state_dict(),
@@ -546,7 +607,7 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
             },
             ckpt / "last.pt",
         )
-    return best[1], best[2], eps_curve, history
+    return best[1], best[2], eps_curve, history, best_state
 
 
 def _cycle(loader):

@@ -398,6 +398,7 @@ def plot_accuracy_vs_epsilon(results, cfg: DPFPExperimentConfig, path: Path) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     main = _main_runs(results, cfg)
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -425,6 +426,7 @@ def plot_accuracy_vs_epsilon(results, cfg: DPFPExperimentConfig, path: Path) -> 
             )
     ax.set_xscale("log")
     ax.set_xticks(list(cfg.epsilons), [f"{e:g}" for e in cfg.epsilons])
+    ax.xaxis.set_minor_formatter(NullFormatter())  # only the grid's epsilons are labelled
     ax.set_xlabel("ε (target, PLD, whole run)")
     ax.set_ylabel("test accuracy")
     first = results[0] if results else {}
@@ -442,6 +444,7 @@ def plot_sweep(results, cfg: DPFPExperimentConfig, key: str, path: Path) -> None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     values = cfg.clip_sweep if key == "max_norm" else cfg.micro_batch_sweep
     pts = []
@@ -460,6 +463,7 @@ def plot_sweep(results, cfg: DPFPExperimentConfig, key: str, path: Path) -> None
     )
     ax.set_xscale("log")
     ax.set_xticks([p[0] for p in pts], [f"{p[0]:g}" for p in pts])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     label = "clipping norm C" if key == "max_norm" else "micro-batches M"
     ax.set_xlabel(label)
     ax.set_ylabel("test accuracy")

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import statistics
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from dptrain.config import ConfigError, config_to_dict, load_config, parse_overrides
+from dptrain.recipes._grid import run_all
 from dptrain.recipes.seqrec import MODELS, SeqRecTrainConfig, train_seqrec
 
 __all__ = ["DPFormerExperimentConfig", "load_experiment_config", "run_dpformer_experiment"]
@@ -146,20 +145,13 @@ def run_dpformer_experiment(
             )
         )
     bar = tqdm(total=len(configs), desc="runs", unit="run")
-    if cfg.workers == 1:
-        results = []
-        for run_cfg in configs:
-            bar.set_postfix(model=run_cfg.model, eps=run_cfg.epsilon, seed=run_cfg.seed)
-            results.append(train_seqrec(run_cfg))
-            bar.update(1)
-    else:
-        # Spawned processes: each run is independent; the order of results is the grid's.
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(cfg.workers, mp_context=ctx) as pool:
-            futures = [pool.submit(train_seqrec, c) for c in configs]
-            for _ in as_completed(futures):
-                bar.update(1)
-            results = [f.result() for f in futures]
+    results = run_all(
+        train_seqrec,
+        configs,
+        cfg.workers,
+        bar,
+        lambda c: {"model": c.model, "eps": c.epsilon, "seed": c.seed},
+    )
     bar.close()
     wall = time.perf_counter() - t0
     summary = {

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import statistics
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ from dptrain.config import (
     load_config,
     parse_overrides,
 )
+from dptrain.recipes._grid import run_all
 from dptrain.recipes.classify import METHODS, ClassifyTrainConfig, train_classify
 
 __all__ = ["DPFPExperimentConfig", "load_dpfp_experiment_config", "run_dpfp_experiment"]
@@ -236,19 +235,13 @@ def run_dpfp_experiment(
         results_first = train_classify(configs[first])
         bar.update(1)
     rest = [c for i, c in enumerate(configs) if i != first]
-    if cfg.workers == 1:
-        rest_results = []
-        for run_cfg in rest:
-            bar.set_postfix(method=run_cfg.method, eps=run_cfg.epsilon, seed=run_cfg.seed)
-            rest_results.append(train_classify(run_cfg))
-            bar.update(1)
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(cfg.workers, mp_context=ctx) as pool:
-            futures = [pool.submit(train_classify, c) for c in rest]
-            for _ in as_completed(futures):
-                bar.update(1)
-            rest_results = [f.result() for f in futures]
+    rest_results = run_all(
+        train_classify,
+        rest,
+        cfg.workers,
+        bar,
+        lambda c: {"method": c.method, "eps": c.epsilon, "seed": c.seed},
+    )
     bar.close()
     results = rest_results if first is None else [results_first, *rest_results]
     for run_cfg, r in zip(

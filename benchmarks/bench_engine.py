@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from _harness import command_line, git_description, machine_description
 from dptrain.bench import memory as bench_memory
 from dptrain.bench import workloads as bench_workloads
+from dptrain.bench.report import GOAL_MEMORY_RATIO, GOAL_TIME_RATIO
 from dptrain.bench.timing import time_round_robin
 from dptrain.bench.workloads import (
     INSTANTIATE_LIMIT_BYTES,
@@ -104,9 +105,9 @@ METHODS = (
 QUICK_METHODS = ("nonprivate", "dptrain-bk", "dptrain-ghost")
 
 #: The goals for dptrain book-keeping: (workload, max time ratio, max memory ratio).
+#: The ratios are dptrain bench's (one definition of the issue's goals); the order of the
+#: workloads is this report's.
 GOAL_WORKLOADS = ("gpt-B16-T128", "gpt-B64-T128", "gpt-B16-T128-tied", "gpt-B64-T128-tied")
-GOAL_TIME_RATIO = 1.25
-GOAL_MEMORY_RATIO = 1.10
 PROFILE_WORKLOAD = "gpt-B64-T128"
 
 

@@ -34,6 +34,7 @@ MODULES = [
     "dptrain.data.sequences",
     "dptrain.data.news",
     "dptrain.data.text_classification",
+    "dptrain.data.tokenizer",
     "dptrain.distributed",
     "dptrain.dpfp",
     "dptrain.config",

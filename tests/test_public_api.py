@@ -15,6 +15,8 @@ MODULES = [
     "dptrain.accounting.noise",
     "dptrain.cli",
     "dptrain.accounting_demo",
+    "dptrain.audit",
+    "dptrain.audit.exposure",
     "dptrain.bench",
     "dptrain.bench.accountants",
     "dptrain.bench.memory",
@@ -34,6 +36,8 @@ MODULES = [
     "dptrain.data.sequences",
     "dptrain.data.news",
     "dptrain.data.text_classification",
+    "dptrain.data.e2e",
+    "dptrain.data.mlm",
     "dptrain.data.tokenizer",
     "dptrain.distributed",
     "dptrain.dpfp",
@@ -55,6 +59,11 @@ MODULES = [
     "dptrain.recipes.dpformer_experiment",
     "dptrain.recipes.classify",
     "dptrain.recipes.dpfp_experiment",
+    "dptrain.recipes.table2text",
+    "dptrain.recipes.table2text_study",
+    "dptrain.recipes.mlm",
+    "dptrain.recipes.mlm_studies",
+    "dptrain.recipes.exposure",
 ]
 
 

@@ -7,9 +7,16 @@
     dptrain train seqrec    train one sequential recommender (config + key=value overrides)
     dptrain train classify  private text classification: --method nonprivate | dpsgd |
                             dpsgd-head | dpfp | dpfp-finetune (config + key=value overrides)
-    dptrain train ... --nproc N   the same run on N local processes (torchrun; DP-SGD only)
+    dptrain train table2text  GPT-2-style table-to-text on E2E: BLEU / ROUGE-L (greedy, beam)
+    dptrain train mlm       BERT-style masked-LM pretraining on news text: mega-batches,
+                            growing batch size, gradient-SNR
+    dptrain train ... --nproc N   the same run on N local processes (torchrun; seqrec and
+                            classify DP-SGD runs)
     dptrain experiment dpformer   the DPFormer Table 1 grid (models x epsilon x seeds)
     dptrain experiment dpfp       DP-FP vs DP-SGD vs non-private (methods x epsilon x seeds)
+    dptrain study NAME      a language-model study: snr | batch-schedule | weight-decay
+                            (masked LM, Anil et al.) or e2e-heatmap (Li et al. Figure 2)
+    dptrain audit exposure  canary exposure (Carlini et al.) private vs non-private
     dptrain demo            the main job: a short DPFormer experiment on MovieLens-100k
     dptrain accounting-demo the accounting demo (table + plot)
     dptrain bench           dptrain vs non-private and Opacus: step time, memory, largest
@@ -142,9 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/accounting-demo", help="folder for the plot and JSON")
 
     p = sub.add_parser(
-        "train", help="train with a recipe: dptrain train {seqrec,classify} [key=value ...]"
+        "train",
+        help="train with a recipe: dptrain train {seqrec,classify,table2text,mlm} [key=value ...]",
     )
-    p.add_argument("recipe", choices=["seqrec", "classify"])
+    p.add_argument("recipe", choices=list(_TRAIN_RECIPES))
     p.add_argument(
         "--method", help="classify only: nonprivate, dpsgd, dpsgd-head, dpfp or dpfp-finetune"
     )
@@ -158,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="train on N local processes: re-runs this command under torchrun --standalone "
-        "--nproc_per_node N (DP-SGD runs only: seqrec with epsilon, classify dpsgd / "
-        "dpsgd-head); 1 (default): in this process",
+        "--nproc_per_node N (DP-SGD runs of seqrec and classify dpsgd / dpsgd-head); "
+        "1 (default): in this process",
     )
     _add_config_arguments(p)
 
@@ -167,6 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
         "experiment", help="run an experiment grid: dptrain experiment {dpformer,dpfp}"
     )
     p.add_argument("experiment", choices=["dpformer", "dpfp"])
+    _add_config_arguments(p)
+
+    p = sub.add_parser(
+        "study",
+        help="a language-model study: dptrain study {snr,batch-schedule,weight-decay,e2e-heatmap}",
+    )
+    p.add_argument("study", choices=list(_STUDIES))
+    _add_config_arguments(p)
+
+    p = sub.add_parser("audit", help="measure what leaks: dptrain audit exposure")
+    p.add_argument("audit", choices=["exposure"])
     _add_config_arguments(p)
 
     p = sub.add_parser(
@@ -183,6 +202,53 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(p)
     return parser
+
+
+#: ``dptrain train NAME``: the recipe's module, config class, train function and the
+#: results.json keys printed at the end.
+_TRAIN_RECIPES = {
+    "seqrec": (
+        "dptrain.recipes.seqrec",
+        "SeqRecTrainConfig",
+        "train_seqrec",
+        ("model", "epsilon", "delta", "ndcg@10", "hit@10", "mrr", "best_epoch"),
+    ),
+    "classify": (
+        "dptrain.recipes.classify",
+        "ClassifyTrainConfig",
+        "train_classify",
+        ("method", "accuracy", "dev_accuracy", "epsilon", "delta", "best_epoch"),
+    ),
+    "table2text": (
+        "dptrain.recipes.table2text",
+        "Table2TextConfig",
+        "train_table2text",
+        (
+            "epsilon",
+            "delta",
+            "test_bleu_beam",
+            "test_rouge_l_beam",
+            "test_bleu_greedy",
+            "test_rouge_l_greedy",
+        ),
+    ),
+    "mlm": (
+        "dptrain.recipes.mlm",
+        "MLMTrainConfig",
+        "train_mlm",
+        ("epsilon", "delta", "valid_accuracy", "test_accuracy", "steps", "examples_processed"),
+    ),
+}
+#: Recipes that run on several processes (``--nproc``).
+_DISTRIBUTED_RECIPES = ("seqrec", "classify")
+
+#: ``dptrain study NAME``: the packaged config it reads by default.
+_STUDIES = {
+    "snr": "mlm_studies.yaml",
+    "batch-schedule": "mlm_studies.yaml",
+    "weight-decay": "mlm_studies.yaml",
+    "e2e-heatmap": "table2text_study.yaml",
+}
 
 
 def _add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -508,6 +574,17 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     command = "dptrain " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.command == "train":
         return _train(args)
+    if args.command == "study":
+        return _study(args, command)
+    if args.command == "audit":
+        from dptrain.recipes.exposure import load_exposure_config, run_exposure_audit
+
+        cfg = load_exposure_config(args.config or configs_dir() / "exposure.yaml", args.overrides)
+        run_exposure_audit(cfg, command)
+        out = Path(cfg.out)
+        print((out / "table.md").read_text())
+        print(f"plot: {out}/exposure.png; per canary: {out}/exposures.jsonl")
+        return 0
     if args.command == "experiment" and args.experiment == "dpfp":
         from dptrain.recipes.dpfp_experiment import (
             load_dpfp_experiment_config,
@@ -540,6 +617,33 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     return 0
 
 
+def _study(args: argparse.Namespace, command: str) -> int:
+    """``dptrain study NAME``: one study grid; prints its table and where its plot is."""
+    from pathlib import Path
+
+    from dptrain.recipes import configs_dir
+
+    path = args.config or configs_dir() / _STUDIES[args.study]
+    if args.study == "e2e-heatmap":
+        from dptrain.recipes.table2text_study import (
+            load_table2text_study_config,
+            run_table2text_study,
+        )
+
+        cfg = load_table2text_study_config(path, args.overrides)
+        run_table2text_study(cfg, command)
+        out = Path(cfg.out)
+    else:
+        from dptrain.recipes.mlm_studies import load_mlm_study_config, run_mlm_study
+
+        cfg = load_mlm_study_config(path, args.overrides)
+        run_mlm_study(args.study, cfg, command)
+        out = Path(cfg.out) / args.study  # one YAML serves the three studies
+    print((out / "table.md").read_text())
+    print(f"table, summary and plot: {out}/")
+    return 0
+
+
 def _torchrun_train(args: argparse.Namespace) -> int:
     """``dptrain train ... --nproc N``: the same command on N local processes (torchrun)."""
     import subprocess
@@ -560,7 +664,9 @@ def _torchrun_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """``dptrain train seqrec|classify``: one run of a recipe."""
+    """``dptrain train RECIPE``: one run of a recipe."""
+    import importlib
+
     from dptrain.config import load_config
 
     flags = {"method": args.method, "accountant": args.accountant}
@@ -568,30 +674,24 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError(f"--method={args.method!r} is not allowed: it is for 'train classify'")
     if args.nproc < 1:
         raise ValueError(f"--nproc={args.nproc} is not allowed: expected an integer >= 1")
+    if args.nproc > 1 and args.recipe not in _DISTRIBUTED_RECIPES:
+        raise ValueError(
+            f"--nproc={args.nproc} is not allowed for 'train {args.recipe}': several processes "
+            f"are supported for {', '.join(_DISTRIBUTED_RECIPES)}"
+        )
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
-    if args.recipe == "seqrec":
-        from dptrain.recipes.seqrec import SeqRecTrainConfig, check_world_size, train_seqrec
-
-        cfg = load_config(SeqRecTrainConfig, args.config, overrides)
-        if args.nproc > 1:  # bad input fails here, once, before any process starts
-            check_world_size(cfg, args.nproc)
-            return _torchrun_train(args)
-        results = train_seqrec(cfg)
-        keys = ("model", "epsilon", "delta", "ndcg@10", "hit@10", "mrr", "best_epoch")
-    else:
-        from dptrain.recipes.classify import ClassifyTrainConfig, check_world_size, train_classify
-
-        cfg = load_config(ClassifyTrainConfig, args.config, overrides)
-        if args.nproc > 1:
-            check_world_size(cfg, args.nproc)
-            return _torchrun_train(args)
-        results = train_classify(cfg)
-        keys = ("method", "accuracy", "dev_accuracy", "epsilon", "delta", "best_epoch")
+    module_name, config_name, train_name, keys = _TRAIN_RECIPES[args.recipe]
+    module = importlib.import_module(module_name)
+    cfg = load_config(getattr(module, config_name), args.config, overrides)
+    if args.nproc > 1:  # bad input fails here, once, before any process starts
+        module.check_world_size(cfg, args.nproc)
+        return _torchrun_train(args)
+    results = getattr(module, train_name)(cfg)
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports the run
         return 0
     if args.recipe == "classify":
         print(results["privacy_scope_detail"])
-    print(format_table(keys, [[results[k] for k in keys]]))
+    print(format_table(keys, [[results.get(k) for k in keys]]))
     print(f"run folder: {cfg.out} (results.json, metrics.jsonl, plots/)")
     return 0
 
@@ -612,7 +712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             run_demo(args.out)
             return 0
-        if args.command in ("train", "experiment", "demo"):
+        if args.command in ("train", "experiment", "demo", "study", "audit"):
             return _run_recipe(args, argv)
         if args.command == "bench":
             from dptrain.bench.suite import run_bench_command

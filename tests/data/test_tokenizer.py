@@ -78,3 +78,12 @@ def test_empty_texts_and_missing_folder_are_refused(tmp_path):
         train_tokenizer([], kind="bpe")
     with pytest.raises(ValueError, match="expected a local tokenizer folder"):
         load_tokenizer(tmp_path / "nope")
+
+
+def test_bpe_splits_punctuation_from_words():
+    tok = train_tokenizer(TEXTS, kind="bpe", vocab_size=200)
+    with_comma = tok("near Burger King, rated")["input_ids"]
+    without = tok("near Burger King rated")["input_ids"]
+    # the same tokens for "King" in both, plus one token for the comma
+    assert len(with_comma) == len(without) + 1
+    assert tok.convert_ids_to_tokens(with_comma)[3] == ","

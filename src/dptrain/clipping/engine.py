@@ -518,7 +518,9 @@ class ClippingEngine:
             p = getattr(present[0][0].module, present[0][1])
             grad = grad.to(p.dtype)
             if p.grad is None:
-                p.grad = grad
+                # the param's own strides (a transposed Conv1D sum is not), as torch's
+                # gradient layout contract asks: avoids slow paths and a warning downstream
+                p.grad = grad if grad.stride() == p.stride() else grad.contiguous()
             else:
                 p.grad.add_(grad)
 

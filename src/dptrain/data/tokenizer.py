@@ -7,10 +7,10 @@ folder; any local HF tokenizer folder can be given instead.
 
 Two kinds:
 
-- ``bpe``: byte-pair encoding over whitespace-split words, a ``Metaspace``
-  pre-tokenizer and decoder so that decoding gives back the spacing of the
-  text (GPT-2 style generation output is scored by BLEU/ROUGE on the decoded
-  string);
+- ``bpe``: byte-pair encoding over whitespace-split words with punctuation
+  split off, a ``Metaspace`` pre-tokenizer and decoder so that decoding gives
+  back the spacing of the text (GPT-2 style generation output is scored by
+  BLEU/ROUGE on the decoded string);
 - ``wordpiece``: BERT's WordPiece with lowercasing, for masked-LM pretraining.
 
 Every trained tokenizer has the same special tokens (:data:`SPECIAL_TOKENS`),
@@ -72,7 +72,11 @@ def train_tokenizer(texts: Iterable[str], *, kind: str = "bpe", vocab_size: int 
     if kind == "bpe":
         tok = Tokenizer(models.BPE(unk_token=unk))
         tok.normalizer = normalizers.NFKC()
-        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        # punctuation split from words ("centre," -> "▁centre" ","), so a word has one token
+        # sequence wherever it stands; the Metaspace decoder still restores the spacing
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()]
+        )
         tok.decoder = decoders.Metaspace()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, special_tokens=specials, show_progress=False

@@ -7,6 +7,16 @@
   (``dptrain train classify``).
 - :mod:`dptrain.recipes.dpfp_experiment`: DP-FP against DP-SGD and non-private
   training (``dptrain experiment dpfp``).
+- :mod:`dptrain.recipes.table2text`: a GPT-2-style table-to-text model on E2E,
+  BLEU / ROUGE-L of greedy and beam decoding (``dptrain train table2text``);
+  :mod:`dptrain.recipes.table2text_study`: Li et al.'s batch size x learning
+  rate heat map (``dptrain study e2e-heatmap``).
+- :mod:`dptrain.recipes.mlm`: BERT-style masked-LM pretraining with Poisson
+  mega-batches, a growing batch size and gradient-SNR (``dptrain train mlm``);
+  :mod:`dptrain.recipes.mlm_studies`: Anil et al.'s studies (``dptrain study
+  snr | batch-schedule | weight-decay``).
+- :mod:`dptrain.recipes.exposure`: canary exposure, private vs non-private
+  (``dptrain audit exposure``).
 
 The YAML files in ``configs/`` are the packaged settings (:func:`configs_dir`).
 """

@@ -10,8 +10,14 @@
 - Text classification (:class:`TextClassificationData`): Rotten Tomatoes,
   Women's Clothing reviews or any CSV/TSV/JSONL/Parquet, with seeded
   stratified splits; the packaged MiniLM encoder's path and tokenizer.
+- Language modelling: E2E table-to-text pairs split by table (:func:`load_e2e`),
+  masked-LM chunks of the news corpus with BERT masking (:func:`load_mlm_data`,
+  :func:`mask_tokens`), and BPE / WordPiece tokenizers trained on the training
+  split (:func:`train_tokenizer`).
 """
 
+from dptrain.data.e2e import E2ESplits, load_e2e, read_table_text
+from dptrain.data.mlm import MLMData, load_mlm_data, mask_tokens
 from dptrain.data.news import load_news, news_articles_path, read_news_articles, tokenize
 from dptrain.data.poisson import DPDataLoader, LogicalBatch, PoissonBatchSampler, split_physical
 from dptrain.data.sequences import (
@@ -31,27 +37,36 @@ from dptrain.data.text_classification import (
     minilm_path,
     tokenize_texts,
 )
+from dptrain.data.tokenizer import load_tokenizer, train_tokenizer
 
 __all__ = [
     "DPDataLoader",
+    "E2ESplits",
     "LogicalBatch",
+    "MLMData",
     "PoissonBatchSampler",
     "SequenceData",
     "TextClassificationData",
+    "load_e2e",
     "load_interaction_file",
     "load_minilm_tokenizer",
+    "load_mlm_data",
     "load_movielens_100k",
     "load_news",
     "load_rotten_tomatoes",
     "load_text_file",
+    "load_tokenizer",
     "load_womens_clothing",
+    "mask_tokens",
     "minilm_path",
     "movielens_100k_path",
     "news_articles_path",
     "preprocess_sasrec",
     "read_interactions",
     "read_news_articles",
+    "read_table_text",
     "split_physical",
     "tokenize",
     "tokenize_texts",
+    "train_tokenizer",
 ]

@@ -1,0 +1,122 @@
+"""The E2E table of docs/lm.md from `dptrain train table2text` run folders.
+
+    python benchmarks/summarize_e2e.py runs/lm/e2e/epsnull runs/lm/e2e/eps8 runs/lm/e2e/eps3 \
+        --out docs/img/e2e_table2text.png
+
+Prints a markdown table (test BLEU / ROUGE-L of greedy and beam-5 decoding,
+validation BLEU, perplexity, epsilon, steps, wall time), a few test tables
+whose restaurant name occurs in the training pairs with every run's beam
+output, and saves one PNG: validation loss per epoch for every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from dptrain.data.e2e import load_e2e
+from dptrain.recipes.table2text import score_generations
+
+
+def _load(folder: Path) -> tuple[dict, list[dict], dict[str, dict]]:
+    results = json.loads((folder / "results.json").read_text())
+    history = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    generations = {}
+    for line in (folder / "generations.jsonl").read_text().splitlines():
+        g = json.loads(line)
+        generations[g["table"]] = g
+    return results, history, generations
+
+
+def _name(table: str) -> str | None:
+    m = re.search(r"name\[([^\]]*)\]", table)
+    return m.group(1) if m else None
+
+
+def _label(r: dict) -> str:
+    return "non-private" if not r["private"] else f"epsilon {r['target_epsilon']:g}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders")
+    parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    parser.add_argument("--samples", type=int, default=3, help="test tables to show")
+    parser.add_argument("--data", default="e2e", help="the E2E folder the runs used")
+    args = parser.parse_args()
+    runs = [_load(f) for f in args.runs]
+
+    print(
+        "| run | epsilon (PLD) | sigma | test BLEU beam | test ROUGE-L beam | test BLEU greedy "
+        "| test ROUGE-L greedy | valid BLEU beam | valid perplexity | steps | train time |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r, _, _ in runs:
+        eps = "inf" if not r["private"] else f"{r['epsilon']:.2f}"
+        sigma = "-" if r["noise_multiplier"] is None else f"{r['noise_multiplier']:.2f}"
+        print(
+            f"| {_label(r)} | {eps} | {sigma} | {r['test_bleu_beam']:.1f} "
+            f"| {r['test_rouge_l_beam']:.1f} | {r['test_bleu_greedy']:.1f} "
+            f"| {r['test_rouge_l_greedy']:.1f} | {r['valid_bleu_beam']:.1f} "
+            f"| {r['valid_perplexity']:.2f} | {r['steps']} | {r['train_wall_time_s'] / 60:.0f} min |"
+        )
+
+    # test BLEU on tables whose restaurant name the training pairs contain, and on the rest:
+    # half the test names never occur in the dev set that is trained on
+    splits = load_e2e(args.data, valid_fraction=runs[0][0].get("valid_fraction", 0.1))
+    train_names = {_name(t) for t, _ in splits.train}
+    tables = list(runs[0][2])
+    seen = [t for t in tables if _name(t) in train_names]
+    unseen = [t for t in tables if _name(t) not in train_names]
+    print(
+        f"\n{len(seen)} test tables name a restaurant of the training pairs, {len(unseen)} do not\n"
+    )
+    print("| run | BLEU beam, seen name | BLEU beam, unseen name | ROUGE-L beam, seen | unseen |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r, _, gens in runs:
+        a = score_generations(
+            [gens[t]["beam"] for t in seen], [gens[t]["references"] for t in seen]
+        )
+        b = score_generations(
+            [gens[t]["beam"] for t in unseen], [gens[t]["references"] for t in unseen]
+        )
+        print(
+            f"| {_label(r)} | {a['bleu']:.1f} | {b['bleu']:.1f} | {a['rouge_l']:.1f} "
+            f"| {b['rouge_l']:.1f} |"
+        )
+    print()
+    for table in seen[:: max(1, len(seen) // args.samples)][: args.samples]:
+        print(f"**Table** `{table}`\n")
+        for r, _, gens in runs:
+            print(f"- {_label(r)}: {gens[table]['beam']}")
+        print(f"- reference: {runs[0][2][table]['references'][0]}\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for r, history, _ in runs:
+        ax.plot(
+            [h["epoch"] for h in history],
+            [h["valid_loss"] for h in history],
+            marker="o",
+            ms=3,
+            label=f"{_label(r)}: test BLEU {r['test_bleu_beam']:.1f}",
+        )
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("validation loss (nats / text token)")
+    ax.set_title("E2E table-to-text, GPT-2-style LM from scratch")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(f"plot: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -70,6 +70,12 @@ def test_study_writes_table_summary_and_plot(tmp_path, name):
             want = hits[0]["examples_processed"] if hits else None
             assert r["examples_to_target"] == want
         assert runs[0]["examples_to_target"] is not None  # the reference reaches its own target
+        losses = [h["valid_loss"] for h in runs[0]["history"] if "valid_loss" in h]
+        assert summary["target_loss"] == pytest.approx(1.05 * min(losses))
+        for r in runs:  # the same on validation loss: the first evaluation at or below it
+            hits = [h for h in r["history"] if h.get("valid_loss", 1e9) <= summary["target_loss"]]
+            assert r["examples_to_target_loss"] == (hits[0]["examples_processed"] if hits else None)
+        assert runs[0]["examples_to_target_loss"] is not None
     else:
         assert [r["label"] for r in runs] == ["wd=0", "wd=10", "non-private, wd=0"]
         assert runs[2]["private"] is False

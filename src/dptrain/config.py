@@ -28,6 +28,7 @@ __all__ = [
     "convert_values",
     "load_config",
     "parse_overrides",
+    "read_yaml_mapping",
     "save_config",
 ]
 
@@ -53,17 +54,20 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """The ``key: value`` mapping of the YAML file ``path`` (an empty file is ``{}``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    loaded = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value")
+    return loaded
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """An instance of dataclass ``cls`` from defaults, the YAML file ``path``, then ``overrides``."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value")
-        values.update(loaded)
+    values: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
     values.update(parse_overrides(overrides))
     return cls(**convert_values(cls, values))
 

@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from dptrain._checks import check_in_interval, check_int, check_positive
 from dptrain.audit.exposure import (
@@ -68,7 +67,13 @@ from dptrain.audit.exposure import (
     insert_canaries,
     make_canaries,
 )
-from dptrain.config import ConfigError, config_to_dict, convert_values, parse_overrides
+from dptrain.config import (
+    ConfigError,
+    config_to_dict,
+    convert_values,
+    parse_overrides,
+    read_yaml_mapping,
+)
 
 __all__ = [
     "AUDIT_CONTROLLED_KEYS",
@@ -218,15 +223,7 @@ def load_exposure_config(
     are a ``train:`` mapping in YAML and ``train.KEY=VALUE`` (or
     ``train={KEY: VALUE}``) overrides, merged key by key over the file's.
     """
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value")
-        values.update(loaded)
+    values: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
     train = values.pop("train", None) or {}
     if not isinstance(train, dict):
         raise ConfigError(f"train={train!r} is not allowed: expected a mapping")

@@ -41,10 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm.auto import tqdm
 
-from dptrain.config import ConfigError, config_to_dict, load_config, parse_overrides
+from dptrain.config import (
+    ConfigError,
+    config_to_dict,
+    load_config,
+    parse_overrides,
+    read_yaml_mapping,
+)
 from dptrain.recipes._grid import run_all
 from dptrain.recipes.mlm import MLMTrainConfig, load_mlm_corpus, train_mlm
 
@@ -138,15 +143,7 @@ def load_mlm_study_config(
     """Split YAML keys and overrides between the grids and the shared training config."""
     grid_fields = {f.name for f in dataclasses.fields(_StudyGrid)}
     train_fields = {f.name for f in dataclasses.fields(MLMTrainConfig)}
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value")
-        values.update(loaded)
+    values: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
     values.update(parse_overrides(overrides))
     unknown = sorted(set(values) - grid_fields - train_fields)
     if unknown:

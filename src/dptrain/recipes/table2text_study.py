@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm.auto import tqdm
 
 from dptrain.config import (
@@ -46,6 +45,7 @@ from dptrain.config import (
     convert_values,
     load_config,
     parse_overrides,
+    read_yaml_mapping,
 )
 from dptrain.recipes._grid import run_all
 from dptrain.recipes.table2text import Table2TextConfig, train_table2text
@@ -145,15 +145,7 @@ def load_table2text_study_config(
     """Split YAML keys and ``key=value`` overrides between the grid and the training settings."""
     grid_fields = {f.name for f in dataclasses.fields(_GridOnly)}
     train_fields = {f.name for f in dataclasses.fields(Table2TextConfig)}
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value")
-        values.update(loaded)
+    values: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
     values.update(parse_overrides(overrides))
     unknown = sorted(set(values) - grid_fields - train_fields)
     if unknown:

@@ -80,8 +80,8 @@ from dptrain.distributed import make_private_distributed
 from dptrain.dpfp import DPForwardLayer, DPFPTrainer
 from dptrain.models.text_classifier import LabelWordHead, PooledEncoder, TextClassifier
 from dptrain.privacy_engine import make_private
+from dptrain.recipes._common import DELTA_RULES, check_choice, cycle, resolve_delta
 from dptrain.recipes._launch import Launch, launch, refuse_several_processes
-from dptrain.recipes.seqrec import resolve_delta
 
 __all__ = [
     "METHODS",
@@ -98,7 +98,6 @@ METHODS = ("nonprivate", "dpsgd", "dpsgd-head", "dpfp", "dpfp-finetune")
 _FROZEN = ("dpsgd-head", "dpfp")  # the encoder is not trained
 _DPFP = ("dpfp", "dpfp-finetune")
 _OBJECTIVES = ("linear", "infilling")
-_DELTA_RULES = ("1/N^1.1", "1/(2N)")
 #: Methods that run on several processes (torchrun); the others train in one process.
 _MULTI_PROCESS = ("dpsgd", "dpsgd-head")
 
@@ -192,12 +191,12 @@ class ClassifyTrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _choice("method", self.method, METHODS)
-        _choice("objective", self.objective, _OBJECTIVES)
-        _choice("accountant", self.accountant, tuple(ACCOUNTANTS))
-        _choice("clipping_mode", self.clipping_mode, ("book_keeping", "ghost"))
+        check_choice("method", self.method, METHODS)
+        check_choice("objective", self.objective, _OBJECTIVES)
+        check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
+        check_choice("clipping_mode", self.clipping_mode, ("book_keeping", "ghost"))
         if self.objective == "linear":
-            _choice("pooling", self.pooling, ("mean", "cls", "pooler"))
+            check_choice("pooling", self.pooling, ("mean", "cls", "pooler"))
         elif self.pooling != "mean":  # infilling reads the [MASK] state: no pooling choice
             raise ValueError(
                 f"pooling={self.pooling!r} is not allowed with objective='infilling': the "
@@ -214,7 +213,7 @@ class ClassifyTrainConfig:
         if self.train_size is not None:
             check_int("train_size", self.train_size, 2)
         if isinstance(self.delta, str):
-            _choice("delta", self.delta, _DELTA_RULES)
+            check_choice("delta", self.delta, DELTA_RULES)
         else:
             check_in_interval("delta", self.delta, 0.0, 1.0)
         if self.weight_decay < 0:
@@ -255,11 +254,6 @@ class ClassifyTrainConfig:
     @property
     def private(self) -> bool:
         return self.method != "nonprivate"
-
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed: expected one of {list(allowed)}")
 
 
 # -- setup -----------------------------------------------------------------------------------
@@ -852,7 +846,7 @@ def _make_step(
             collate_fn=collate,
             generator=torch.Generator().manual_seed(cfg.seed),
         )
-        batches = _cycle(loader)
+        batches = cycle(loader)
 
         def plain_step() -> tuple[float, int]:
             inputs, targets = next(batches)
@@ -902,11 +896,6 @@ def _make_step(
         f"{plan.steps} steps; {scope}"
     )
     return dpsgd_step, lambda: detail
-
-
-def _cycle(loader):
-    while True:
-        yield from loader
 
 
 def _plot(history: list[dict[str, Any]], cfg: ClassifyTrainConfig, folder: Path) -> None:

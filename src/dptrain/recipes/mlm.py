@@ -88,6 +88,7 @@ from dptrain.data.mlm import MLMData, load_mlm_data
 from dptrain.data.poisson import DPDataLoader
 from dptrain.losses import per_example_cross_entropy
 from dptrain.privacy_engine import make_private
+from dptrain.recipes._common import DELTA_RULES, check_choice, epsilon_so_far, resolve_delta
 
 __all__ = [
     "MLMTrainConfig",
@@ -103,7 +104,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_DELTA_RULES = ("1/N^1.1", "1/(2N)", "1/N")
 _STAGE = re.compile(r"^\s*(\d+)\s*[xX*]\s*(\d+)\s*$")
 
 
@@ -145,7 +145,7 @@ class MLMTrainConfig:
     epsilon: float | None = 5.0
     """Target epsilon for the whole run (Anil et al.'s 5); ``null`` trains without privacy."""
     delta: float | str = "1/N^1.1"
-    """A number, or ``1/N^1.1`` / ``1/(2N)`` / ``1/N`` with N the number of training chunks."""
+    """A number, or ``1/N^1.1`` / ``1/(2N)`` with N the number of training chunks."""
     accountant: str = "pld"
     max_grad_norm: float = 1.0
     clipping: str = "flat"
@@ -182,9 +182,9 @@ class MLMTrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _choice("accountant", self.accountant, tuple(ACCOUNTANTS))
-        _choice("clipping", self.clipping, ("flat", "automatic"))
-        _choice("mode", self.mode, ("book_keeping", "ghost"))
+        check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
+        check_choice("clipping", self.clipping, ("flat", "automatic"))
+        check_choice("mode", self.mode, ("book_keeping", "ghost"))
         for name in ("num_layers", "num_heads", "hidden_size", "intermediate_size"):
             check_int(name, getattr(self, name), 1)
         check_int("vocab_size", self.vocab_size, 64)
@@ -206,7 +206,7 @@ class MLMTrainConfig:
         if self.epsilon is not None:
             check_positive("epsilon", self.epsilon)
         if isinstance(self.delta, str):
-            _choice("delta", self.delta, _DELTA_RULES)
+            check_choice("delta", self.delta, DELTA_RULES)
         else:
             check_in_interval("delta", self.delta, 0.0, 1.0)
         check_in_interval("valid_fraction", self.valid_fraction, 0.0, 1.0, low_open=False)
@@ -245,11 +245,6 @@ class MLMTrainConfig:
     @property
     def private(self) -> bool:
         return self.epsilon is not None
-
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed: expected one of {list(allowed)}")
 
 
 # -- schedules ---------------------------------------------------------------------------------
@@ -438,16 +433,6 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     ]
 
 
-def _resolve_delta(delta: float | str, n: int) -> float:
-    if delta == "1/N^1.1":
-        return 1.0 / n**1.1
-    if delta == "1/(2N)":
-        return 1.0 / (2 * n)
-    if delta == "1/N":
-        return 1.0 / n
-    return float(delta)
-
-
 # -- evaluation --------------------------------------------------------------------------------
 
 
@@ -487,14 +472,6 @@ def _norms(model: nn.Module) -> dict[str, float]:
     return {"param_norm": math.sqrt(total), "embedding_norm": math.sqrt(emb)}
 
 
-def _spent(ledger: PrivacyLedger, delta: float | None, accountant: str) -> float:
-    """epsilon spent so far (PLD on a 1e-3 grid for speed; results.json has the exact value)."""
-    if delta is None or not ledger.num_steps:
-        return 0.0
-    options = {"value_discretization_interval": 1e-3} if accountant == "pld" else {}
-    return make_accountant(accountant, ledger, **options).epsilon(delta)
-
-
 # -- the recipe --------------------------------------------------------------------------------
 
 
@@ -519,7 +496,7 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
     stages = _stages_of(cfg)
     _check_stages(stages, n)
     batch_at = schedule_function(stages)
-    delta = _resolve_delta(cfg.delta, n) if cfg.private else None
+    delta = resolve_delta(cfg.delta, n) if cfg.private else None
     model = build_mlm_model(cfg, data)
     n_params = sum(p.numel() for p in model.parameters())
     limit = cfg.max_eval_examples
@@ -627,7 +604,7 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
                 **_norms(model),
             }
             if private is not None and (step % cfg.epsilon_every == 0 or step == cfg.steps):
-                spent = _spent(ledger, delta, cfg.accountant)
+                spent = epsilon_so_far(ledger, delta, cfg.accountant)
                 line["epsilon"] = spent
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 v = masked_lm_metrics(model, *valid, cfg.eval_batch_size)

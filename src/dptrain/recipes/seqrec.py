@@ -62,6 +62,7 @@ from dptrain.losses import per_example_cross_entropy
 from dptrain.mechanisms import dp_item_counts, item_presence_counts
 from dptrain.metrics.ranking import ranking_metrics, target_ranks
 from dptrain.privacy_engine import make_private
+from dptrain.recipes._common import DELTA_RULES, check_choice, cycle, resolve_delta
 from dptrain.recipes._launch import Launch, launch, refuse_several_processes
 
 __all__ = [
@@ -77,7 +78,6 @@ log = logging.getLogger(__name__)
 
 #: Model names: DPFormer = tied Transformer + Re-Attention (the paper's model).
 MODELS = ("dpformer", "transformer", "transformer-untied", "gru", "lstm", "most-popular")
-_DELTA_RULES = ("1/N^1.1", "1/(2N)")
 _FREQUENCY_SOURCES = ("dp", "train")
 _NEURAL = tuple(m for m in MODELS if m != "most-popular")
 
@@ -134,11 +134,11 @@ class SeqRecTrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _choice("model", self.model, MODELS)
-        _choice("accountant", self.accountant, tuple(ACCOUNTANTS))
-        _choice("frequencies", self.frequencies, _FREQUENCY_SOURCES)
-        _choice("clipping", self.clipping, ("automatic", "flat"))
-        _choice("mode", self.mode, ("book_keeping", "ghost"))
+        check_choice("model", self.model, MODELS)
+        check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
+        check_choice("frequencies", self.frequencies, _FREQUENCY_SOURCES)
+        check_choice("clipping", self.clipping, ("automatic", "flat"))
+        check_choice("mode", self.mode, ("book_keeping", "ghost"))
         for name in ("min_count", "max_len", "news_vocab_size", "d_model", "n_head", "n_layer"):
             check_int(name, getattr(self, name), 1)
         for name in ("epochs", "batch_size", "eval_every", "eval_batch_size"):
@@ -150,7 +150,7 @@ class SeqRecTrainConfig:
         if self.epsilon is not None:
             check_positive("epsilon", self.epsilon)
         if isinstance(self.delta, str):
-            _choice("delta", self.delta, _DELTA_RULES)
+            check_choice("delta", self.delta, DELTA_RULES)
         else:
             check_in_interval("delta", self.delta, 0.0, 1.0)
         check_in_interval("dropout", self.dropout, 0.0, 1.0)
@@ -168,11 +168,6 @@ class SeqRecTrainConfig:
     @property
     def private(self) -> bool:
         return self.epsilon is not None
-
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed: expected one of {list(allowed)}")
 
 
 # -- setup -----------------------------------------------------------------------------------
@@ -201,15 +196,6 @@ def load_data(cfg: SeqRecTrainConfig):
         max_len=cfg.max_len,
         min_count=cfg.min_count,
     )
-
-
-def resolve_delta(delta: float | str, n_records: int) -> float:
-    """delta as a number: ``1/N^1.1`` (default, below 1/N) or ``1/(2N)``."""
-    if delta == "1/N^1.1":
-        return 1.0 / n_records**1.1
-    if delta == "1/(2N)":
-        return 1.0 / (2 * n_records)
-    return float(delta)
 
 
 def build_model(cfg: SeqRecTrainConfig, n_items: int) -> nn.Module:
@@ -524,7 +510,7 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
             shuffle=True,
             generator=torch.Generator().manual_seed(cfg.seed),
         )
-        batches = _cycle(loader)
+        batches = cycle(loader)
         opt = optimizer
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(plan.steps, cfg.warmup_fraction))
 
@@ -608,11 +594,6 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
             ckpt / "last.pt",
         )
     return best[1], best[2], eps_curve, history, best_state
-
-
-def _cycle(loader):
-    while True:
-        yield from loader
 
 
 def _spent(ledger: PrivacyLedger, plan: _Plan, accountant: str) -> float:

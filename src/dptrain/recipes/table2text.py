@@ -82,6 +82,13 @@ from dptrain.accounting import (
 from dptrain.config import save_config
 from dptrain.data.e2e import load_e2e
 from dptrain.losses import per_example_cross_entropy
+from dptrain.recipes._common import (
+    DELTA_RULES,
+    check_choice,
+    cycle,
+    epsilon_so_far,
+    resolve_delta,
+)
 
 __all__ = [
     "FittedLM",
@@ -98,14 +105,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_DELTA_RULES = ("1/(2N)", "1/N^1.1")
 _REDUCTIONS = ("mean", "sum")
 _SCHEDULES = ("constant", "linear")
-
-
-def _choice(name: str, value: object, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed: expected one of {list(allowed)}")
 
 
 @dataclass
@@ -179,11 +180,11 @@ class Table2TextConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _choice("accountant", self.accountant, tuple(ACCOUNTANTS))
-        _choice("clipping", self.clipping, ("flat", "automatic"))
-        _choice("mode", self.mode, ("book_keeping", "ghost"))
-        _choice("loss_reduction", self.loss_reduction, _REDUCTIONS)
-        _choice("lr_schedule", self.lr_schedule, _SCHEDULES)
+        check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
+        check_choice("clipping", self.clipping, ("flat", "automatic"))
+        check_choice("mode", self.mode, ("book_keeping", "ghost"))
+        check_choice("loss_reduction", self.loss_reduction, _REDUCTIONS)
+        check_choice("lr_schedule", self.lr_schedule, _SCHEDULES)
         check_int("max_len", self.max_len, 8)
         check_int("vocab_size", self.vocab_size, 64)
         for name in ("n_layer", "n_embd", "n_head", "epochs", "batch_size"):
@@ -199,7 +200,7 @@ class Table2TextConfig:
         if self.epsilon is not None:
             check_positive("epsilon", self.epsilon)
         if isinstance(self.delta, str):
-            _choice("delta", self.delta, _DELTA_RULES)
+            check_choice("delta", self.delta, DELTA_RULES)
         else:
             check_in_interval("delta", self.delta, 0.0, 1.0)
         check_in_interval("valid_fraction", self.valid_fraction, 0.0, 1.0)
@@ -497,22 +498,6 @@ def _valid_loss(model, data: dict[str, Tensor], batch_size: int) -> float:
     return total / max(count, 1)
 
 
-def _spent(ledger: PrivacyLedger, delta: float | None, accountant: str) -> float:
-    """epsilon spent so far for the bar and metrics (PLD on a 1e-3 grid: fast, pessimistic)."""
-    if delta is None or not ledger.num_steps:
-        return 0.0
-    options = {"value_discretization_interval": 1e-3} if accountant == "pld" else {}
-    return make_accountant(accountant, ledger, **options).epsilon(delta)
-
-
-def _resolve_delta(delta: float | str, n: int) -> float:
-    if delta == "1/(2N)":
-        return 1.0 / (2 * n)
-    if delta == "1/N^1.1":
-        return 1.0 / n**1.1
-    return float(delta)
-
-
 def fit_table2text(
     cfg: Table2TextConfig,
     train: list[tuple[str, str]],
@@ -548,7 +533,7 @@ def fit_table2text(
         raise ValueError(
             f"batch_size={cfg.batch_size} is not allowed: the training split has only {n} pairs"
         )
-    delta = _resolve_delta(cfg.delta, n) if cfg.private else None
+    delta = resolve_delta(cfg.delta, n) if cfg.private else None
     sigma = None
     if cfg.private:
         try:
@@ -597,7 +582,7 @@ def fit_table2text(
             generator=torch.Generator().manual_seed(cfg.seed),
             collate_fn=_identity,
         )
-        batches = _cycle(loader)
+        batches = cycle(loader)
         opt = optimizer
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         opt, _lr_lambda(steps, cfg.lr_schedule, cfg.warmup_fraction)
@@ -641,7 +626,7 @@ def fit_table2text(
         if step not in ends:
             continue
         vloss = _valid_loss(model, valid_enc, cfg.eval_batch_size)
-        spent = _spent(ledger, delta, cfg.accountant) if ledger is not None else math.inf
+        spent = epsilon_so_far(ledger, delta, cfg.accountant) if ledger is not None else math.inf
         line = {
             "epoch": ends[step],
             "step": step,
@@ -695,11 +680,6 @@ def fit_table2text(
 
 def _identity(rows):
     return rows
-
-
-def _cycle(loader):
-    while True:
-        yield from loader
 
 
 # -- decoding and scoring --------------------------------------------------------------------------

@@ -87,3 +87,19 @@ def test_bpe_splits_punctuation_from_words():
     # the same tokens for "King" in both, plus one token for the comma
     assert len(with_comma) == len(without) + 1
     assert tok.convert_ids_to_tokens(with_comma)[3] == ","
+
+
+@pytest.mark.parametrize("kind", ["bpe", "wordpiece"])
+def test_training_is_deterministic(kind):
+    # HF's own WordPiece trainer breaks ties in hash order: it failed this test
+    first = train_tokenizer(TEXTS, kind=kind, vocab_size=200).get_vocab()
+    for _ in range(3):
+        assert train_tokenizer(TEXTS, kind=kind, vocab_size=200).get_vocab() == first
+
+
+def test_wordpiece_encodes_every_word_of_known_characters():
+    tok = train_tokenizer(TEXTS, kind="wordpiece", vocab_size=100)
+    # an unseen word made of seen characters splits into pieces, never [UNK]
+    ids = tok("cafe kingburger")["input_ids"]
+    assert tok.unk_token_id not in ids
+    assert tok.decode(ids) == "cafe kingburger"

@@ -64,7 +64,7 @@ __all__ = [
 #: Label of a position that is not predicted (torch's cross-entropy default).
 IGNORE_INDEX = -100
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: the deterministic WordPiece of dptrain.data.tokenizer
 _ROLES = ("pad_token", "cls_token", "sep_token", "mask_token")
 
 

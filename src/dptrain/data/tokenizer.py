@@ -11,7 +11,9 @@ Two kinds:
   split off, a ``Metaspace`` pre-tokenizer and decoder so that decoding gives
   back the spacing of the text (GPT-2 style generation output is scored by
   BLEU/ROUGE on the decoded string);
-- ``wordpiece``: BERT's WordPiece with lowercasing, for masked-LM pretraining.
+- ``wordpiece``: BERT's WordPiece with lowercasing, for masked-LM pretraining
+  (its vocabulary learnt by the deterministic BPE trainer: HF's own
+  WordPiece trainer gives a different vocabulary in every process).
 
 Every trained tokenizer has the same special tokens (:data:`SPECIAL_TOKENS`),
 so a recipe can rely on ``pad_token``, ``bos_token``, ``eos_token``,
@@ -59,7 +61,9 @@ def train_tokenizer(texts: Iterable[str], *, kind: str = "bpe", vocab_size: int 
     Args:
         texts: the training texts (an iterable of strings; read once).
         kind: ``bpe`` (causal LM) or ``wordpiece`` (masked LM, lowercased).
-        vocab_size: the largest vocabulary, special tokens included (>= 64).
+        vocab_size: the largest vocabulary, special tokens included (>= 64); a
+            WordPiece vocabulary adds the ``##`` form of characters that only
+            occur word-initially (at most the alphabet's size more).
     """
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -82,18 +86,57 @@ def train_tokenizer(texts: Iterable[str], *, kind: str = "bpe", vocab_size: int 
             vocab_size=vocab_size, special_tokens=specials, show_progress=False
         )
     else:
-        tok = Tokenizer(models.WordPiece(unk_token=unk))
+        # HF's WordPieceTrainer breaks ties between equally frequent merges in hash order,
+        # so the same texts give a different vocabulary in every process; its BPE trainer
+        # over Metaspace-marked words is deterministic. Train that, then read its vocabulary
+        # as WordPiece's: a word-initial piece ("▁ing") is "ing", any other "##ing".
+        tok = Tokenizer(models.BPE(unk_token=unk))
         tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.decoder = decoders.WordPiece()
-        trainer = trainers.WordPieceTrainer(
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.BertPreTokenizer(), pre_tokenizers.Metaspace()]
+        )
+        trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, special_tokens=specials, show_progress=False
         )
     texts = list(texts)
     if not texts:
         raise ValueError("texts is empty: a tokenizer needs training text")
     tok.train_from_iterator(texts, trainer=trainer)
+    if kind == "wordpiece":
+        tok = _wordpiece_from_metaspace_bpe(tok, specials, unk)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+def _wordpiece_from_metaspace_bpe(bpe, specials: list[str], unk: str):
+    """A BERT WordPiece tokenizer whose vocabulary is ``bpe``'s, read as word pieces.
+
+    Ids: the special tokens first, then the pieces in the BPE's id order (its
+    merge order), each character both word-initial and as a ``##`` continuation
+    so that every word of known characters encodes without ``[UNK]``.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    marker = "\u2581"  # Metaspace's word-start mark
+    vocab: dict[str, int] = {}
+    for token in specials:
+        vocab.setdefault(token, len(vocab))
+    for token, _ in sorted(bpe.get_vocab().items(), key=lambda item: item[1]):
+        if token in specials or token == marker:
+            continue
+        if token.startswith(marker):
+            vocab.setdefault(token[1:], len(vocab))
+        else:
+            vocab.setdefault("##" + token, len(vocab))
+            if len(token) == 1:
+                vocab.setdefault(token, len(vocab))
+    for token in list(vocab):  # every single character also continues a word
+        if len(token) == 1 and token not in specials:
+            vocab.setdefault("##" + token, len(vocab))
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token=unk))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    return tok
 
 
 def load_tokenizer(path: str | Path):

@@ -35,7 +35,7 @@ def test_config_keys_are_split_between_grid_and_training():
 
 def test_packaged_config_loads():
     cfg = load_table2text_study_config(configs_dir() / "table2text_study.yaml")
-    assert cfg.epsilon == 3.0 and len(cfg.run_configs()) == 9  # 3 batch sizes x 3 lrs
+    assert cfg.epsilon == 3.0 and len(cfg.run_configs()) == 12  # 3 batch sizes x 4 lrs
 
 
 @pytest.mark.parametrize(

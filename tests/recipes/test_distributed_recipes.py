@@ -149,6 +149,12 @@ def test_nproc_checks_before_starting_processes(tmp_path, capsys, no_torchrun_en
     assert "--nproc=0 is not allowed: expected an integer >= 1" in capsys.readouterr().err
     assert main(["train", "seqrec", "--nproc", "2", "dropout=0"]) == 2  # bad config: no launch
     assert "dropout=0" in capsys.readouterr().err
+    for recipe in ("table2text", "mlm"):  # one-process recipes say so, by name
+        assert main(["train", recipe, "--nproc", "2"]) == 2
+        assert (
+            f"--nproc=2 is not allowed for 'train {recipe}': several processes are supported "
+            "for seqrec, classify"
+        ) in capsys.readouterr().err
 
 
 def test_nproc_is_refused_under_torchrun(monkeypatch, capsys):

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from dptrain._checks import check_in_interval, check_int
-from dptrain.data.news import _split_articles, read_news_articles
+from dptrain.data.news import _articles_and_name, _split_articles
 from dptrain.data.tokenizer import train_tokenizer
 
 __all__ = [
@@ -315,7 +315,7 @@ def load_mlm_data(
     """Masked-LM chunks of a corpus (see the module docstring for every choice).
 
     Args:
-        path: corpus for :func:`read_news_articles` (``.zip``/``.csv``/``.jsonl``
+        path: corpus for :func:`~dptrain.data.news.read_news_articles` (``.zip``/``.csv``/``.jsonl``
             with a ``text`` column); None reads the packaged news corpus.
         articles: the texts themselves instead of ``path`` (tests, other corpora).
         tokenizer: ``train`` (WordPiece on the training articles) or a local folder.
@@ -334,17 +334,7 @@ def load_mlm_data(
     min_chunk_tokens = check_int("min_chunk_tokens", min_chunk_tokens, 1)
     valid_fraction = check_in_interval("valid_fraction", valid_fraction, 0.0, 1.0, low_open=False)
     test_fraction = check_in_interval("test_fraction", test_fraction, 0.0, 1.0, low_open=False)
-    if articles is not None and path is not None:
-        raise ValueError(f"path={str(path)!r} and articles are both given: pass at most one")
-    if articles is None:
-        articles = read_news_articles(path)
-        name = "news" if path is None else Path(path).stem
-    else:
-        if isinstance(articles, str) or not all(isinstance(a, str) for a in articles):
-            raise ValueError("articles is not allowed: expected a sequence of strings")
-        name = "texts"
-    if len(articles) == 0:
-        raise ValueError("articles is empty: expected at least one article")
+    articles, name = _articles_and_name(path, articles, given_name="texts")
     if tokenizer != "train" and not Path(tokenizer).is_dir():
         raise ValueError(
             f"tokenizer={tokenizer!r} is not allowed: expected 'train' or a local tokenizer "

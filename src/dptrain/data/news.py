@@ -146,6 +146,24 @@ def _chunks(ids: np.ndarray, lengths: np.ndarray, articles: np.ndarray, width: i
     return ids[offsets[:, None] + np.arange(width)[None, :]].astype(np.int64)
 
 
+def _articles_and_name(
+    path: str | Path | None, articles: Sequence[str] | None, given_name: str
+) -> tuple[Sequence[str], str]:
+    """The articles (read from ``path``, the packaged corpus, or as given) and a data-set name."""
+    if articles is not None and path is not None:
+        raise ValueError(f"path={str(path)!r} and articles are both given: pass at most one")
+    if articles is None:
+        articles = read_news_articles(path)
+        name = "news" if path is None else Path(path).stem
+    else:
+        if isinstance(articles, str) or not all(isinstance(a, str) for a in articles):
+            raise ValueError("articles is not allowed: expected a sequence of strings")
+        name = given_name
+    if len(articles) == 0:
+        raise ValueError("articles is empty: expected at least one article")
+    return articles, name
+
+
 def _split_articles(
     n: int, valid_fraction: float, test_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -194,17 +212,7 @@ def load_news(
     seed = check_int("seed", seed, minimum=0)
     valid_fraction = check_in_interval("valid_fraction", valid_fraction, 0.0, 1.0, low_open=False)
     test_fraction = check_in_interval("test_fraction", test_fraction, 0.0, 1.0, low_open=False)
-    if articles is not None and path is not None:
-        raise ValueError(f"path={str(path)!r} and articles are both given: pass at most one")
-    if articles is None:
-        articles = read_news_articles(path)
-        name = "news" if path is None else Path(path).stem
-    else:
-        if isinstance(articles, str) or not all(isinstance(a, str) for a in articles):
-            raise ValueError("articles is not allowed: expected a sequence of strings")
-        name = "news"
-    if len(articles) == 0:
-        raise ValueError("articles is empty: expected at least one article")
+    articles, name = _articles_and_name(path, articles, given_name="news")
 
     tokens = [tokenize(a) for a in articles]
     lengths = np.array([len(t) for t in tokens], dtype=np.int64)

@@ -330,6 +330,11 @@ def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]], max_len: int) -> d
     if not pairs:
         raise ValueError("pairs is empty: nothing to encode")
     seqs, starts, _, _ = _encode(tokenizer, pairs, max_len)
+    return _padded(tokenizer, seqs, starts)
+
+
+def _padded(tokenizer, seqs: list[list[int]], starts: list[int]) -> dict[str, Tensor]:
+    """:func:`encode_pairs`'s tensors from :func:`_encode`'s ids and text starts."""
     width = max(len(s) for s in seqs)
     pad = _pad_id(tokenizer)
     input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
@@ -364,6 +369,7 @@ def text_log_likelihood(
     The model is run in eval mode (and restored to its mode afterwards).
     """
     check_int("batch_size", batch_size, 1)
+    check_int("max_len", max_len, 4)
     if not pairs:
         return torch.zeros(0, dtype=torch.float64)
     was_training = model.training
@@ -373,8 +379,8 @@ def text_log_likelihood(
     try:
         for i in range(0, len(pairs), batch_size):
             chunk = list(pairs[i : i + batch_size])
-            _, starts, ends, _ = _encode(tokenizer, chunk, max_len)
-            enc = encode_pairs(tokenizer, chunk, max_len)
+            seqs, starts, ends, _ = _encode(tokenizer, chunk, max_len)
+            enc = _padded(tokenizer, seqs, starts)  # tokenized once for both
             ids = enc["input_ids"].to(device)
             logits = model(input_ids=ids, attention_mask=enc["attention_mask"].to(device)).logits
             logp = torch.log_softmax(logits[:, :-1].double(), -1)
@@ -546,8 +552,8 @@ def fit_table2text(
                 f"batch_size={cfg.batch_size} (q={q:.4g}, {steps} steps, delta={delta:.3g}): {err}"
             ) from None
 
-    enc = encode_pairs(tokenizer, train, cfg.max_len)
-    n_truncated = _encode(tokenizer, train, cfg.max_len)[3]
+    seqs, starts, _, n_truncated = _encode(tokenizer, train, cfg.max_len)
+    enc = _padded(tokenizer, seqs, starts)
     valid_enc = encode_pairs(tokenizer, valid, cfg.max_len)
     dataset = torch.utils.data.TensorDataset(enc["input_ids"], enc["attention_mask"], enc["labels"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from dptrain._checks import check_positive
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
@@ -87,7 +88,9 @@ class _Use:
     module: nn.Module
     rule: LayerRule
     inputs: list[Tensor] = field(default_factory=list)
-    outputs: list[Tensor] = field(default_factory=list)
+    # Where each output's gradient enters the graph, not the output itself: holding
+    # the tensor would keep e.g. the (B, T, vocab) logits alive through the backward.
+    outputs: list[GradientEdge] = field(default_factory=list)
 
 
 class ClippingEngine:
@@ -322,7 +325,7 @@ class ClippingEngine:
                         "its per-example gradients would be mixed"
                     )
             use.inputs.append(a.detach())
-            use.outputs.append(output)
+            use.outputs.append(get_gradient_edge(output))
             return output
 
         return hook

@@ -33,13 +33,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import command_line, git_description, machine_description  # noqa: E402
-
-from dptrain.bench.timing import fix_threads, time_round_robin  # noqa: E402
-from dptrain.clipping import ClippingEngine  # noqa: E402
-from dptrain.losses import per_example_cross_entropy  # noqa: E402
-from dptrain.models.gpt import GPT, GPTConfig  # noqa: E402
-from dptrain.optim import DPOptimizer  # noqa: E402
+from _harness import command_line, git_description, machine_description
+from dptrain.bench.timing import fix_threads, time_round_robin
+from dptrain.clipping import ClippingEngine
+from dptrain.losses import per_example_cross_entropy
+from dptrain.models.gpt import GPT, GPTConfig
+from dptrain.optim import DPOptimizer
 
 BATCH, SEQ, VOCAB, LAYERS, LR = 16, 128, 8000, 4, 1e-4
 

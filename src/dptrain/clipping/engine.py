@@ -1,7 +1,9 @@
 """The clipping engine: per-example clipping without per-example gradients.
 
 Attach it to a model; every forward pass (with grad enabled) records each
-clippable module's input ``a`` and output tensor. Then, given the
+clippable module's input ``a`` and where its output enters the autograd graph
+(a gradient edge: holding the output itself would keep e.g. the (B, T, vocab)
+logits alive until the backward). Then, given the
 per-example losses L_i (B,), :meth:`ClippingEngine.backward`
 
 1. takes the gradient of sum_i L_i w.r.t. the recorded outputs only

@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from dptrain.config import ConfigError, convert_values, load_config, parse_overrides, save_config
+from dptrain.config import (
+    ConfigError,
+    convert_values,
+    load_config,
+    parse_overrides,
+    read_config_values,
+    save_config,
+    split_config_values,
+)
 
 
 @dataclass
@@ -89,3 +97,38 @@ def test_convert_values_checks_without_constructing():
         convert_values(_Config, {"lrr": 1})
     with pytest.raises(ConfigError, match="lr='fast' is not allowed"):
         convert_values(_Config, {"lr": "fast"})
+
+
+def test_read_config_values_applies_overrides_over_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("epochs: 20\nlr: 0.01\n")
+    assert read_config_values(path, ["lr=0.5", "seeds=[1, 2]"]) == {
+        "epochs": 20,
+        "lr": 0.5,
+        "seeds": [1, 2],
+    }
+    assert read_config_values(None, ["lr=1"]) == {"lr": 1}
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_config_values(tmp_path / "missing.yaml")
+
+
+def test_split_config_values_gives_shared_keys_to_the_grid():
+    values = {"epsilons": [3, 8], "lr": 0.1, "seed": 4}
+    grid, train = split_config_values(values, {"epsilons", "seed"}, {"lr", "seed", "epochs"})
+    assert grid == {"epsilons": [3, 8], "seed": 4}
+    assert train == {"lr": 0.1}
+
+
+def test_split_config_values_names_unknown_keys_and_both_allowed_sets():
+    with pytest.raises(ConfigError) as err:
+        split_config_values(
+            {"lrr": 1, "epsilons": 3},
+            {"epsilons"},
+            {"lr", "batch_size"},
+            grid_label="the studies'",
+            train_shown={"lr"},
+        )
+    assert str(err.value) == (
+        "unknown config key(s) ['lrr']: allowed keys are the studies' ['epsilons'] "
+        "and the training config's ['lr']"
+    )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,8 +28,10 @@ __all__ = [
     "convert_values",
     "load_config",
     "parse_overrides",
+    "read_config_values",
     "read_yaml_mapping",
     "save_config",
+    "split_config_values",
 ]
 
 T = TypeVar("T")
@@ -65,11 +67,45 @@ def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
     return loaded
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """An instance of dataclass ``cls`` from defaults, the YAML file ``path``, then ``overrides``."""
+def read_config_values(
+    path: str | Path | None = None, overrides: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The YAML file's mapping (if ``path`` is given), updated by ``key=value`` overrides."""
     values: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
     values.update(parse_overrides(overrides))
-    return cls(**convert_values(cls, values))
+    return values
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """An instance of dataclass ``cls`` from defaults, the YAML file ``path``, then ``overrides``."""
+    return cls(**convert_values(cls, read_config_values(path, overrides)))
+
+
+def split_config_values(
+    values: dict[str, Any],
+    grid_fields: Collection[str],
+    train_fields: Collection[str],
+    *,
+    grid_label: str = "the grid's",
+    train_shown: Collection[str] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(grid values, training values): a study's flat config split between its grid
+    and the training settings every run shares. A key of both belongs to the grid.
+
+    Unknown keys are a :class:`ConfigError` that lists the allowed keys of both
+    (``train_shown``, default ``train_fields``, is the training list the message shows).
+    """
+    grid_fields, train_fields = set(grid_fields), set(train_fields)
+    unknown = sorted(set(values) - grid_fields - train_fields)
+    if unknown:
+        shown = train_fields if train_shown is None else set(train_shown)
+        raise ConfigError(
+            f"unknown config key(s) {unknown}: allowed keys are {grid_label} "
+            f"{sorted(grid_fields)} and the training config's {sorted(shown)}"
+        )
+    grid = {k: v for k, v in values.items() if k in grid_fields}
+    train = {k: v for k, v in values.items() if k not in grid_fields}
+    return grid, train
 
 
 def convert_values(cls: type, values: dict[str, Any]) -> dict[str, Any]:

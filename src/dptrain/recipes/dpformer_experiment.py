@@ -29,10 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm.auto import tqdm
 
-from dptrain.config import ConfigError, config_to_dict, load_config, parse_overrides
+from dptrain.config import (
+    config_to_dict,
+    convert_values,
+    read_config_values,
+    split_config_values,
+)
 from dptrain.recipes._grid import run_all
 from dptrain.recipes.seqrec import MODELS, SeqRecTrainConfig, train_seqrec
 
@@ -86,24 +90,11 @@ def load_experiment_config(
     """Split YAML keys and overrides between the grid and the shared training config."""
     grid_fields = {f.name for f in dataclasses.fields(DPFormerExperimentConfig)} - {"train"}
     train_fields = {f.name for f in dataclasses.fields(SeqRecTrainConfig)}
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        values.update(yaml.safe_load(path.read_text()) or {})
-    values.update(parse_overrides(overrides))
-    unknown = sorted(set(values) - grid_fields - train_fields)
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s) {unknown}: allowed keys are the grid's {sorted(grid_fields)} "
-            f"and the training config's {sorted(train_fields)}"
-        )
-    as_overrides = lambda keys: [f"{k}={json.dumps(values[k])}" for k in keys]  # noqa: E731
-    grid_keys = [k for k in values if k in grid_fields]
-    train_keys = [k for k in values if k not in grid_fields]
-    train = load_config(SeqRecTrainConfig, None, as_overrides(train_keys))
-    grid = load_config(_GridOnly, None, as_overrides(grid_keys))
+    grid_values, train_values = split_config_values(
+        read_config_values(path, overrides), grid_fields, train_fields
+    )
+    train = SeqRecTrainConfig(**convert_values(SeqRecTrainConfig, train_values))
+    grid = _GridOnly(**convert_values(_GridOnly, grid_values))
     return DPFormerExperimentConfig(**dataclasses.asdict(grid), train=train)
 
 

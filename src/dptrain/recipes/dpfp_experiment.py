@@ -31,15 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm.auto import tqdm
 
 from dptrain.config import (
     ConfigError,
     config_to_dict,
     convert_values,
-    load_config,
-    parse_overrides,
+    read_config_values,
+    split_config_values,
 )
 from dptrain.recipes._grid import run_all
 from dptrain.recipes.classify import METHODS, ClassifyTrainConfig, train_classify
@@ -181,29 +180,15 @@ def load_dpfp_experiment_config(
         "per_method",
     }
     train_fields = {f.name for f in dataclasses.fields(ClassifyTrainConfig)}
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        values.update(yaml.safe_load(path.read_text()) or {})
-    values.update(parse_overrides(overrides))
+    values = read_config_values(path, overrides)
     per_method = values.pop("per_method", None) or {}
     if not isinstance(per_method, dict):
         raise ConfigError(f"per_method={per_method!r} is not allowed: expected a mapping")
-    unknown = sorted(set(values) - grid_fields - train_fields)
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s) {unknown}: allowed keys are the grid's {sorted(grid_fields)} "
-            f"and the training config's {sorted(train_fields)}"
-        )
-    grid_keys = [k for k in values if k in grid_fields]
-    grid = load_config(_GridOnly, None, [f"{k}={json.dumps(values[k])}" for k in grid_keys])
+    grid_values, train_values = split_config_values(values, grid_fields, train_fields)
+    grid = _GridOnly(**convert_values(_GridOnly, grid_values))
     # Training values are type-checked against the recipe's fields and kept as given:
     # each run resolves its own method's defaults (DPFPExperimentConfig checks every run).
-    train = convert_values(
-        ClassifyTrainConfig, {k: v for k, v in values.items() if k not in grid_fields}
-    )
+    train = convert_values(ClassifyTrainConfig, train_values)
     return DPFPExperimentConfig(**dataclasses.asdict(grid), train=train, per_method=per_method)
 
 

@@ -44,11 +44,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from dptrain.config import (
-    ConfigError,
     config_to_dict,
-    load_config,
-    parse_overrides,
-    read_yaml_mapping,
+    convert_values,
+    read_config_values,
+    split_config_values,
 )
 from dptrain.recipes._grid import run_all
 from dptrain.recipes.mlm import MLMTrainConfig, load_mlm_corpus, train_mlm
@@ -143,19 +142,11 @@ def load_mlm_study_config(
     """Split YAML keys and overrides between the grids and the shared training config."""
     grid_fields = {f.name for f in dataclasses.fields(_StudyGrid)}
     train_fields = {f.name for f in dataclasses.fields(MLMTrainConfig)}
-    values: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
-    values.update(parse_overrides(overrides))
-    unknown = sorted(set(values) - grid_fields - train_fields)
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s) {unknown}: allowed keys are the studies' "
-            f"{sorted(grid_fields)} and the training config's {sorted(train_fields)}"
-        )
-    as_overrides = lambda keys: [f"{k}={json.dumps(values[k])}" for k in keys]  # noqa: E731
-    train = load_config(
-        MLMTrainConfig, None, as_overrides([k for k in values if k in train_fields])
+    grid_values, train_values = split_config_values(
+        read_config_values(path, overrides), grid_fields, train_fields, grid_label="the studies'"
     )
-    grid = load_config(_StudyGrid, None, as_overrides([k for k in values if k in grid_fields]))
+    train = MLMTrainConfig(**convert_values(MLMTrainConfig, train_values))
+    grid = _StudyGrid(**convert_values(_StudyGrid, grid_values))
     return MLMStudyConfig(**dataclasses.asdict(grid), train=train)
 
 

@@ -43,9 +43,8 @@ from dptrain.config import (
     ConfigError,
     config_to_dict,
     convert_values,
-    load_config,
-    parse_overrides,
-    read_yaml_mapping,
+    read_config_values,
+    split_config_values,
 )
 from dptrain.recipes._grid import run_all
 from dptrain.recipes.table2text import Table2TextConfig, train_table2text
@@ -145,19 +144,14 @@ def load_table2text_study_config(
     """Split YAML keys and ``key=value`` overrides between the grid and the training settings."""
     grid_fields = {f.name for f in dataclasses.fields(_GridOnly)}
     train_fields = {f.name for f in dataclasses.fields(Table2TextConfig)}
-    values: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
-    values.update(parse_overrides(overrides))
-    unknown = sorted(set(values) - grid_fields - train_fields)
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s) {unknown}: allowed keys are the grid's {sorted(grid_fields)} "
-            f"and the training config's {sorted(train_fields - set(_GRID_KEYS))}"
-        )
-    grid_keys = [k for k in values if k in grid_fields]
-    grid = load_config(_GridOnly, None, [f"{k}={json.dumps(values[k])}" for k in grid_keys])
-    train = convert_values(
-        Table2TextConfig, {k: v for k, v in values.items() if k not in grid_fields}
+    grid_values, train_values = split_config_values(
+        read_config_values(path, overrides),
+        grid_fields,
+        train_fields,
+        train_shown=train_fields - set(_GRID_KEYS),
     )
+    grid = _GridOnly(**convert_values(_GridOnly, grid_values))
+    train = convert_values(Table2TextConfig, train_values)
     return Table2TextStudyConfig(**dataclasses.asdict(grid), train=train)
 
 

@@ -294,6 +294,10 @@ class ClippingEngine:
         def hook(module, args, output):
             if not torch.is_grad_enabled() or not isinstance(output, Tensor):
                 return None
+            if not output.requires_grad:
+                # Its parameters were frozen after the engine was built and its input
+                # needs no gradient: this call gives no parameter a gradient to clip.
+                return None
             a = args[0]
             b = self._batch_size
             shape = self._batch_shape

@@ -76,12 +76,16 @@ def run(out: str, steps: int = 6, stall_at: int | None = None, dropout: float = 
         for x, y in batch.chunks:
             private.backward(per_example_cross_entropy(model(x), y))
         if batch.step == stall_at:
-            print(f"STALL {os.getpid()}", flush=True)
+            # One write per line: the two workers share the pipe, and print() may
+            # write the text and the newline separately.
+            sys.stdout.write(f"STALL {os.getpid()}\n")
+            sys.stdout.flush()
             time.sleep(600)
         private.optimizer.step()
         save_checkpoint(ckpt, private)
         if ctx.is_main:
-            print(f"SAVED {batch.step}", flush=True)
+            sys.stdout.write(f"SAVED {batch.step}\n")
+            sys.stdout.flush()
     final = {"params": flat_parameters(model), "ledger": private.ledger.state_dict()}
     if ctx.is_main:
         torch.save(final, Path(out) / "final.pt")

@@ -92,7 +92,7 @@ class _Use:
     inputs: list[Tensor] = field(default_factory=list)
     # Where each output's gradient enters the graph, not the output itself: holding
     # the tensor would keep e.g. the (B, T, vocab) logits alive through the backward.
-    outputs: list[GradientEdge] = field(default_factory=list)
+    output_edges: list[GradientEdge] = field(default_factory=list)
 
 
 class ClippingEngine:
@@ -331,7 +331,7 @@ class ClippingEngine:
                         "its per-example gradients would be mixed"
                     )
             use.inputs.append(a.detach())
-            use.outputs.append(get_gradient_edge(output))
+            use.output_edges.append(get_gradient_edge(output))
             return output
 
         return hook
@@ -347,7 +347,7 @@ class ClippingEngine:
         """Forget what the last forward recorded."""
         for use in self._uses.values():
             use.inputs.clear()
-            use.outputs.clear()
+            use.output_edges.clear()
 
     # -- the clipped backward -------------------------------------------------------------
 
@@ -364,14 +364,14 @@ class ClippingEngine:
             )
         threshold = self.max_grad_norm * check_positive("loss_scale", loss_scale)
         b = losses.shape[0]
-        active = [u for u in self._uses.values() if u.outputs]
+        active = [u for u in self._uses.values() if u.output_edges]
         if b == 0 or not active:
             self.clear()
             zeros = torch.zeros(b)
             return ClipStats(zeros, zeros, self.max_grad_norm)
-        outputs = [o for u in active for o in u.outputs]
+        edges = [e for u in active for e in u.output_edges]
         grads = torch.autograd.grad(
-            losses.sum(), outputs, allow_unused=True, retain_graph=self.mode == "ghost"
+            losses.sum(), edges, allow_unused=True, retain_graph=self.mode == "ghost"
         )
         records = self._records(active, grads, b)
         norms_sq = self._norms_sq(records)

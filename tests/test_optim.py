@@ -198,3 +198,79 @@ def test_ledger_given_is_continued():
     opt.zero_grad()
     opt.step()
     assert ledger.num_steps == 11
+
+
+# -- the step refuses gradients the engine did not clip -------------------------------------
+
+
+def _private_pair(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    engine = ClippingEngine(model, 1.0)
+    opt = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=4.0,
+        sample_rate=0.5,
+        engine=engine,
+    )
+    return model, engine, opt
+
+
+def test_a_plain_backward_before_the_step_is_refused():
+    from dptrain.clipping import UnsupportedModelError
+
+    model, engine, opt = _private_pair()
+    x = torch.randn(4, 3)
+    opt.zero_grad()
+    engine.backward(model(x).pow(2).sum(1))
+    model(x).sum().backward()  # unclipped, straight into p.grad
+    with pytest.raises(UnsupportedModelError, match=r"^p\.grad of 0\.weight, 0\.bias, 2\.weight"):
+        opt.step()
+    assert opt.steps_taken == 0 and len(opt.ledger) == 0
+
+
+def test_a_gradient_left_from_the_last_step_is_refused():
+    from dptrain.clipping import UnsupportedModelError
+
+    model, engine, opt = _private_pair()
+    x = torch.randn(4, 3)
+    opt.zero_grad()
+    engine.backward(model(x).pow(2).sum(1))
+    opt.step()
+    # no zero_grad(): p.grad still holds the last step's noised average
+    with pytest.raises(UnsupportedModelError, match=re.escape("Call optimizer.zero_grad()")):
+        engine.backward(model(x).pow(2).sum(1))
+    opt.zero_grad()
+    engine.backward(model(x).pow(2).sum(1))
+    opt.step()
+    assert opt.steps_taken == 2
+
+
+def test_a_parameter_made_trainable_after_the_engine_is_refused():
+    from dptrain.clipping import UnsupportedModelError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    engine = ClippingEngine(model, 1.0)
+    opt = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=4.0,
+        sample_rate=0.5,
+        engine=engine,
+    )
+    model[0].requires_grad_(True)
+    opt.zero_grad()
+    engine.backward(model(torch.randn(4, 3)).pow(2).sum(1))
+    with pytest.raises(
+        UnsupportedModelError,
+        match=re.escape(
+            "trainable parameters the clipping engine does not clip: 0.weight, 0.bias (made "
+            "trainable after the engine was built?)"
+        ),
+    ):
+        opt.step()

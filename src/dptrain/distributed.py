@@ -614,6 +614,7 @@ class DistributedDPOptimizer(DPOptimizer):
             value; with W > 1 an integer is required.
         group: the process group (default: the default group).
         bucket_cap_mb: size of the flattened all-reduce buckets.
+        engine: the clipping engine, as for DPOptimizer (gradients checked before the step).
 
     ``last_metrics`` is exact on rank 0 (the clipped-sum norm is recovered by
     redrawing the noise from the generator state it started from); on the
@@ -633,6 +634,7 @@ class DistributedDPOptimizer(DPOptimizer):
         max_steps: int | None = None,
         group: Any = None,
         bucket_cap_mb: float = 25.0,
+        engine: Any = None,
     ):
         self.rank, self.world_size = _rank_and_world(group)
         if self.world_size > 1 and (
@@ -651,6 +653,7 @@ class DistributedDPOptimizer(DPOptimizer):
             ledger=ledger,
             seed=seed,
             max_steps=max_steps,
+            engine=engine,
         )
         self.group = group
         self.bucket_cap_bytes = int(check_positive("bucket_cap_mb", bucket_cap_mb) * 2**20)
@@ -681,6 +684,7 @@ class DistributedDPOptimizer(DPOptimizer):
                 "closure= is not supported: a DP step must not re-evaluate the loss on the batch"
             )
         k = check_positive("loss_scale", loss_scale)
+        self.check_clipped_gradients()
         params = [p for p in self.params() if p.requires_grad]
         for p in params:
             if p.grad is None:
@@ -963,6 +967,7 @@ def make_private_distributed(
             max_steps=base_opt.max_steps,
             group=group,
             bucket_cap_mb=bucket_cap_mb,
+            engine=private.engine,
         )
         result = PrivateTraining(
             model=model,

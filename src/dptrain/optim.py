@@ -82,6 +82,9 @@ class DPOptimizer(torch.optim.Optimizer):
         ledger: the privacy ledger to record into (a new one if None).
         seed: fixes the noise; None draws a seed from the OS (logged either way).
         max_steps: refuse steps beyond this many (the budget's planned steps).
+        engine: the clipping engine that fills ``p.grad``; if given, every step first
+            checks that each trainable parameter's gradient is the engine's clipped
+            sum, untouched since (:meth:`ClippingEngine.check_gradients`).
 
     LR schedulers can be attached to this object directly: ``param_groups``
     are the wrapped optimizer's.
@@ -98,6 +101,7 @@ class DPOptimizer(torch.optim.Optimizer):
         ledger: PrivacyLedger | None = None,
         seed: int | None = None,
         max_steps: int | None = None,
+        engine: ClippingEngine | None = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -112,6 +116,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.ledger = ledger if ledger is not None else PrivacyLedger()
         self.max_steps = None if max_steps is None else check_int("max_steps", max_steps, 0)
         self.steps_taken = 0
+        self.engine = engine
         self._seed_arg = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self.seed: int | None = None
@@ -160,6 +165,11 @@ class DPOptimizer(torch.optim.Optimizer):
         """Start a logical batch: forget the previous clipped sums."""
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
+    def check_clipped_gradients(self) -> None:
+        """Refuse a step on gradients the engine did not clip (no-op without an engine)."""
+        if self.engine is not None:
+            self.engine.check_gradients(self.params())
+
     def all_reduce_clipped_sums(self) -> None:
         """Sum the clipped sums over data-parallel workers. One process: nothing to do."""
 
@@ -200,6 +210,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"the privacy budget allows {self.max_steps} steps and all are taken "
                 f"(epsilon is computed from the ledger: {self.ledger!r})"
             )
+        self.check_clipped_gradients()
         self.all_reduce_clipped_sums()
         metrics = self.add_noise(loss_scale)
         self.original_optimizer.step()

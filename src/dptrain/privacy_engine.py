@@ -216,6 +216,7 @@ def make_private(
         ledger=ledger,
         seed=seed,
         max_steps=ledger.num_steps + total_steps if target_epsilon is not None else None,
+        engine=engine,
     )
     loader = DPDataLoader(
         dataset,

@@ -22,9 +22,9 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 SCALE_FLOOR = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
-def relative_error(got: Tensor, want: Tensor) -> float:
-    """max |got - want| / max(max |want|, floor of the dtype)."""
-    scale = max(want.abs().max().item(), SCALE_FLOOR[want.dtype])
+def relative_error(got: Tensor, want: Tensor, floor: float | None = None) -> float:
+    """max |got - want| / max(max |want|, floor (default: the dtype's))."""
+    scale = max(want.abs().max().item(), SCALE_FLOOR[want.dtype] if floor is None else floor)
     return (got.to(want.dtype) - want).abs().max().item() / scale
 
 
@@ -37,23 +37,35 @@ def assert_engine_matches_oracle(
     norm_method: str = "auto",
     clipping: str = "flat",
     dtype: torch.dtype = torch.float64,
+    engine: ClippingEngine | None = None,
+    tol: float | None = None,
+    scale_floor: float | None = None,
 ) -> None:
     """Per-example norms and the noiseless clipped sum equal the oracle's.
 
     ``losses_of(slice)`` runs the model on those examples and returns their
     per-example losses. C is set to the median norm so some examples are
-    clipped and some are not.
+    clipped and some are not. ``engine``: use this engine (its C is reset), e.g.
+    one that has seen earlier chunks; it is left attached. ``tol``: the relative
+    tolerance, default by dtype (for models that compute parts in lower precision);
+    ``scale_floor``: below it a reference value counts as rounding noise (default by dtype).
     """
-    tol = TOLERANCE[dtype]
+    tol = TOLERANCE[dtype] if tol is None else tol
     grads = oracle_per_example_grads(model, lambda i: losses_of(slice(i, i + 1)).sum(), batch_size)
     norms = oracle_norms(grads) if batch_size else torch.zeros(0, dtype=dtype)
     c = float(norms.median()) if batch_size else 1.0
     c = c if c > 0 else 1.0
-    engine = ClippingEngine(model, c, mode=mode, norm_method=norm_method, clipping=clipping)
+    own = engine is None
+    if own:
+        engine = ClippingEngine(model, c, mode=mode, norm_method=norm_method, clipping=clipping)
+    else:
+        engine.clear()  # forget the oracle's forward passes
+        engine.max_grad_norm = c
     try:
         stats = engine.backward(losses_of(slice(0, batch_size)))
     finally:
-        engine.detach()
+        if own:
+            engine.detach()
     if batch_size == 0:
         for p in model.parameters():
             assert p.grad is None or p.grad.abs().max() == 0
@@ -68,7 +80,7 @@ def assert_engine_matches_oracle(
     assert set(got) == set(want)
     for name in want:
         assert got[name] is not None, f"{name} got no gradient"
-        err = relative_error(got[name], want[name])
+        err = relative_error(got[name], want[name], scale_floor)
         assert err <= tol, f"{name}: clipped sum off by {err:.2e} (mode={mode}, {norm_method})"
     model.zero_grad(set_to_none=True)
 

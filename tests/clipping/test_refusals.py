@@ -35,10 +35,10 @@ class WithRawParameter(nn.Module):
 def test_all_parameters_without_rule_are_listed_in_one_error():
     with refuses(
         "dptrain refuses to train this model: no per-example clipping rule for these trainable "
-        "parameters: scale (WithRawParameter), attn.in_proj_weight (MultiheadAttention), "
-        "attn.in_proj_bias (MultiheadAttention), attn.out_proj.weight "
-        "(NonDynamicallyQuantizableLinear), attn.out_proj.bias (NonDynamicallyQuantizableLinear)"
-        ". Freeze them (requires_grad=False), replace the modules, or register a rule with "
+        "parameters, by module type: WithRawParameter (1 module: <model>; parameter scale); "
+        "MultiheadAttention (1 module: attn; parameters in_proj_weight, in_proj_bias); "
+        "NonDynamicallyQuantizableLinear (1 module: attn.out_proj; parameters weight, bias). "
+        "Freeze them (requires_grad=False), replace the modules, or register a rule with "
         "dptrain.clipping.register_rule."
     ):
         ClippingEngine(WithRawParameter(), 1.0)
@@ -69,7 +69,7 @@ def test_subclass_needs_its_own_rule():
 
     model = nn.Sequential(MyLinear(3, 2))
     with pytest.raises(
-        UnsupportedModelError, match=r"0\.weight \(MyLinear\), 0\.bias \(MyLinear\)"
+        UnsupportedModelError, match=r"MyLinear \(1 module: 0; parameters weight, bias\)"
     ):
         ClippingEngine(model, 1.0)
     register_rule(MyLinear, LinearRule())
@@ -79,26 +79,47 @@ def test_subclass_needs_its_own_rule():
         del RULES[MyLinear]
 
 
+class SharedTable(nn.Module):
+    """A linear layer applied to a table shared by all examples (no batch dimension)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Linear(3, 3)
+        self.fc = nn.Linear(3, 1)
+
+    def forward(self, x):  # x (B, T, 3); the table's input has no batch dimension
+        return self.fc(x + self.table(torch.eye(3))).sum((1, 2))
+
+
 def test_unbatched_input_to_a_linear_layer_is_refused():
-    class SharedTable(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.table = nn.Linear(3, 3)
-            self.fc = nn.Linear(3, 1)
-
-        def forward(self, x):  # x (B, T, 3); the table's input has no batch dimension
-            return self.fc(x + self.table(torch.eye(3))).sum((1, 2))
-
     model = SharedTable()
     engine = ClippingEngine(model, 1.0)
+    losses = model(torch.randn(5, 3, 3))
+    with refuses(
+        "module table (Linear) produced an output of shape (3, 3) for 5 per-example losses: its "
+        "first dimension is not the batch size, so its per-example gradients would be mixed (if "
+        "the model takes its inputs in an unusual container, pass input_ids= or a tensor as the "
+        "first argument)"
+    ):
+        engine.backward(losses)
+    engine.detach()
+
+
+def test_unbatched_input_whose_length_equals_the_batch_size_is_refused():
+    # The same table with B = 3: its (3, 3) input looks like 3 example rows. The exact
+    # check finds that example i's loss reaches every row and refuses.
+    model = SharedTable()
+    engine = ClippingEngine(model, 1.0)
+    losses = model(torch.randn(3, 3, 3))
     with pytest.raises(
         UnsupportedModelError,
         match=re.escape(
-            "module table (Linear) got an input of shape (3, 3) whose first dimension is not the "
-            "batch size 5: its per-example gradients would be mixed"
+            "module table (Linear): the rows of its input (3, 3) / output (3, 3) (3 examples) "
+            "are not one per example"
         ),
     ):
-        model(torch.randn(5, 3, 3))
+        engine.backward(losses)
+    assert all(p.grad is None for p in model.parameters())  # nothing half-added
     engine.detach()
 
 
@@ -160,19 +181,17 @@ class BiasUsedOutside(nn.Module):
         return self.fc(x) + self.fc.bias
 
 
-def test_parameter_used_outside_its_module_is_refused_at_the_first_forward():
+def test_parameter_used_outside_its_module_is_refused():
     model = BiasUsedOutside()
     engine = ClippingEngine(model, 1.0)
     with refuses(
         "dptrain refuses to train this model: parameters used outside the forward of the module "
-        "that owns them: fc.bias (in add). Their gradient through that use would escape "
+        "that owns them: fc.bias (in AddBackward0). Their gradient through that use would escape "
         "per-example clipping. Move the computation into a module the engine clips (e.g. an "
         "nn.Linear), or register a rule for the module that uses them."
     ):
-        model(torch.randn(2, 4))
-    # without gradients nothing is recorded and nothing is checked
-    with torch.no_grad():
-        model(torch.randn(2, 4))
+        engine.backward(model(torch.randn(2, 4)).sum(1))
+    assert all(p.grad is None for p in model.parameters())
     engine.detach()
 
 
@@ -210,16 +229,20 @@ def test_parameter_views_under_no_grad_are_not_outside_uses():
     engine.backward(model(torch.randn(2, 4)).sum(1))
 
 
-def test_a_forward_that_raises_leaves_no_check_behind():
-    from torch.overrides import _get_current_function_mode_stack
-
+def test_a_forward_that_raises_leaves_nothing_behind():
     model = BiasUsedOutside()
-    ClippingEngine(model, 1.0)
+    engine = ClippingEngine(model, 1.0)
+    model.fc = nn.Linear(4, 3)  # not clipped: a new module after the engine was built
     with pytest.raises(RuntimeError):
         model(torch.randn(2, 5))  # wrong width
-    assert not _get_current_function_mode_stack()
-    with pytest.raises(UnsupportedModelError, match=r"fc\.bias \(in add\)"):
-        model(torch.randn(2, 4))  # the next forward is still checked
+    engine.detach()
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
+    engine = ClippingEngine(model, 1.0)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5))  # raises in the first layer
+    losses = model(torch.randn(2, 4)).sum(1)
+    engine.backward(losses)  # only the live forward's calls count
+    assert model[0].weight.grad is not None
 
 
 # -- the batch size of a model called with a container ------------------------------------
@@ -368,19 +391,44 @@ def test_one_d_positions_are_clipped_per_example_when_t_differs_from_b(mode):
     check(model, losses_of, 3, mode=mode)
 
 
-def test_one_d_positions_are_refused_when_t_equals_b():
-    # (T,) positions and (B,) per-example ids look alike when T == B; guessing "per example"
-    # would clip each POSITION's gradient (a privacy bug), so the engine refuses instead.
+def test_one_d_positions_are_refused_when_t_equals_b_at_the_first_chunk():
+    # (T,) positions and (B,) per-example ids look alike when T == B. Seen only with
+    # T == B, the lookup is read as per-example rows, and the exact check refuses it.
     model, losses_of, _ = _nano_case(batch=5, seq=5)
     engine = ClippingEngine(model, 1.0)
-    with refuses(
-        "module positions (Embedding) got a 1-D input of length 5, which is both the batch "
-        "size and the sequence length of the batch (5, 5): the engine cannot tell shared "
-        "position ids from per-example ids. Pass position ids with a batch dimension, shape "
-        "(1, T) or (B, T)."
+    with pytest.raises(
+        UnsupportedModelError,
+        match=re.escape(
+            "module positions (Embedding): the rows of its input (5,) / output (5, 4) "
+            "(5 examples) are not one per example"
+        ),
     ):
-        losses_of(slice(None))
-    engine.clear()
+        engine.backward(losses_of(slice(None)))
+    engine.detach()
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+def test_one_d_positions_stay_shared_when_t_equals_b_later(mode):
+    # Seen once with T != B, the lookup is known to be a shared table: a later chunk
+    # with T == B is clipped exactly.
+    from tests.clipping.oracle_check import assert_engine_matches_oracle
+
+    torch.manual_seed(0)
+    model = _NanoPositions().double()
+    engine = ClippingEngine(model, 1.0, mode=mode)
+    ids = torch.randint(0, 11, (3, 5))
+    engine.backward(
+        nn.functional.cross_entropy(model(ids), torch.zeros(3).long(), reduction="none")
+    )
+    model.zero_grad(set_to_none=True)
+    ids = torch.randint(0, 11, (5, 5))
+    labels = torch.randint(0, 2, (5,))
+
+    def losses_of(sl):
+        return nn.functional.cross_entropy(model(ids[sl]), labels[sl], reduction="none")
+
+    assert_engine_matches_oracle(model, losses_of, 5, mode=mode, engine=engine)
+    engine.detach()
 
 
 @pytest.mark.parametrize("mode", ["book_keeping", "ghost"])

@@ -12,11 +12,13 @@ from dptrain.clipping.oracle import oracle_clipped_sum, oracle_norms, oracle_per
 from dptrain.clipping.phantom import phantom_cross_term
 from dptrain.clipping.rules import (
     RULES,
+    RULES_BY_NAME,
     Conv1DRule,
     EmbeddingRule,
     LayerRule,
     LinearRule,
     NormLayerRule,
+    RMSNormRule,
     find_rule,
     register_rule,
 )
@@ -26,6 +28,7 @@ __all__ = [
     "CLIPPING_MODES",
     "NORM_METHODS",
     "RULES",
+    "RULES_BY_NAME",
     "ClipStats",
     "ClippingEngine",
     "Conv1DRule",
@@ -33,6 +36,7 @@ __all__ = [
     "LayerRule",
     "LinearRule",
     "NormLayerRule",
+    "RMSNormRule",
     "UnsupportedModelError",
     "automatic_factors",
     "find_rule",

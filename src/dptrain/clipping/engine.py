@@ -19,6 +19,20 @@ per-example losses L_i (B,), :meth:`ClippingEngine.backward`
 
 ``p.grad`` accumulates over calls, so a logical batch can be processed in
 physical chunks; the DP optimizer then adds the noise once and steps.
+
+None of this is private unless every recorded row belongs to one example and
+every gradient path into a clipped parameter passes through a recorded call.
+The engine never infers that from a size that may coincide (docs/engine.md,
+"Which rows are examples"):
+
+- each backward walks the losses' autograd graph and refuses a parameter used
+  outside its modules' recorded calls (:mod:`dptrain.clipping.graph_check`);
+- each recorded call gets an example layout (rows, blocks of rows, or a table
+  shared by all examples); the first time a layout pattern is seen, the chunk
+  is checked exactly (:mod:`dptrain.clipping.self_check`): re-weighting each
+  example's loss by a power of two must re-weight exactly that example's rows,
+  and the rules' weighted sum must equal autograd's gradient of the weighted
+  loss. A mismatch refuses the model, naming the module.
 """
 
 from __future__ import annotations
@@ -31,12 +45,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_flatten
 
 from dptrain._checks import check_positive
+from dptrain.clipping import self_check
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
-from dptrain.clipping.outside_use import OutsideUseCheck
+from dptrain.clipping.graph_check import grad_node, interior, parameter_uses
+from dptrain.clipping.layout import example_layout, layout_pattern
 from dptrain.clipping.phantom import phantom_cross_term
-from dptrain.clipping.rules import EmbeddingRule, LayerRule, LinearRule, find_rule
+from dptrain.clipping.rules import (
+    EmbeddingRule,
+    LayerRule,
+    LinearRule,
+    embedding_ghost_norm,
+    find_rule,
+    gram_inner,
+)
 
 __all__ = ["CLIPPING_MODES", "NORM_METHODS", "ClipStats", "ClippingEngine", "UnsupportedModelError"]
 
@@ -82,6 +106,24 @@ class ClipStats:
         return float(self.norms.max()) if self.batch_size else 0.0
 
 
+@dataclass(eq=False)
+class _Call:
+    """What one forward call of a clippable module recorded."""
+
+    index: int
+    """Its place among the module's calls in this forward (0 for the first)."""
+    a: Tensor
+    """The input the rule reads (detached); (b, T) ids for an expanded shared table."""
+    edge: GradientEdge
+    """Where the output's gradient enters the graph (not the output: holding it would
+    keep e.g. the (B, T, vocab) logits alive through the backward)."""
+    out_shape: tuple[int, ...]
+    in_nodes: list
+    """Graph nodes of the call's tensor inputs: where the module's own operations end."""
+    expanded_to: int | None = None
+    """The batch size a shared table's output was expanded to in the forward, or None."""
+
+
 @dataclass(eq=False)  # identity: a _Use is a dict key
 class _Use:
     """One clippable module and what its forward calls recorded."""
@@ -89,10 +131,7 @@ class _Use:
     name: str
     module: nn.Module
     rule: LayerRule
-    inputs: list[Tensor] = field(default_factory=list)
-    # Where each output's gradient enters the graph, not the output itself: holding
-    # the tensor would keep e.g. the (B, T, vocab) logits alive through the backward.
-    output_edges: list[GradientEdge] = field(default_factory=list)
+    calls: list[_Call] = field(default_factory=list)
 
 
 class ClippingEngine:
@@ -143,21 +182,25 @@ class ClippingEngine:
         self._uses = self._plan(model)
         self._groups = self._group_params()
         self.layer_max_grad_norms = self._layer_thresholds(layer_max_grad_norms)
-        self._batch_size: int | None = None
         self._batch_shape: tuple[int, ...] | None = None
         # Per-example gradients of instantiated modules, kept from the norms for the sum.
         self._per_example: dict[_Use, dict[str, Tensor]] = {}
+        # (module, call index) of shared tables seen where their length differed from the
+        # batch size: such a call stays a shared table when a later chunk's size coincides.
+        self._shared_calls: set[tuple[str, int]] = set()
+        # Layout patterns already checked exactly (self_check), per (module, call index).
+        self._verified: set[tuple] = set()
+        self.self_checks = 0
+        """How many chunks were checked exactly so far (new layout patterns)."""
+        # p.grad as the engine left it: (id, version) per parameter id, checked at the step.
+        self._grad_marks: dict[int, tuple[int, int]] = {}
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
-            # always_call: a forward that raises must still leave the check's mode
-            model.register_forward_hook(self._root_hook, always_call=True),
         ]
-        # The first forward with gradients is checked for parameters used outside
-        # their modules (see dptrain.clipping.outside_use); later ones are not.
-        self._outside_check: OutsideUseCheck | None = None
-        self._checked = False
         for use in self._uses.values():
-            self._handles.append(use.module.register_forward_hook(self._make_hook(use)))
+            self._handles.append(
+                use.module.register_forward_hook(self._make_hook(use), with_kwargs=True)
+            )
 
     # -- set-up: which parameters, which rules ------------------------------------------
 
@@ -191,17 +234,16 @@ class ClippingEngine:
                 reasons.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
                 continue
             uses[module] = _Use(name, module, rule)
-        missing = [
-            f"{name} ({_owner_type(model, name)})"
-            for name, p in model.named_parameters()
-            if p.requires_grad and id(p) not in covered
-        ]
+        missing = _grouped_by_type(
+            model,
+            [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered],
+        )
         if reasons or missing:
             parts = []
             if missing:
                 parts.append(
-                    "no per-example clipping rule for these trainable parameters: "
-                    + ", ".join(missing)
+                    "no per-example clipping rule for these trainable parameters, by module "
+                    "type: " + "; ".join(missing)
                 )
             if reasons:
                 parts.append("modules that cannot be clipped exactly: " + "; ".join(reasons))
@@ -255,84 +297,89 @@ class ClippingEngine:
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters the engine clips (every trainable parameter of the model)."""
-        return [getattr(uses[0][0].module, uses[0][1]) for uses in self._groups.values()]
+        return [self.parameter(name) for name in self._groups]
 
     # -- hooks ----------------------------------------------------------------------------
 
     def _root_pre_hook(self, module, args, kwargs):
-        self._batch_shape = _batch_shape_of(args, kwargs)
-        self._batch_size = None if self._batch_shape is None else self._batch_shape[0]
-        if not self._checked and torch.is_grad_enabled() and self._outside_check is None:
-            owners = {}
-            for name, uses in self._groups.items():
-                p = getattr(uses[0][0].module, uses[0][1])
-                owners[id(p)] = (name, tuple(u.module for u, _ in uses))
-            self._outside_check = OutsideUseCheck(owners)
-            if module in self._uses:  # the root is clipped itself: its pre-hook is already past
-                self._outside_check.running.append(module)
-            self._outside_check.__enter__()
-
-    def _root_hook(self, module, args, output):
-        check = self._outside_check
-        if check is None:
+        if _in_backward():  # activation checkpointing re-runs a forward inside the backward
             return
-        check.__exit__(None, None, None)
-        check.remove_hooks()
-        self._outside_check = None
-        self._checked = output is not None  # a forward that raised is checked again next time
-        if check.found:
-            self.clear()
-            uses = ", ".join(f"{name} (in {func})" for name, func in check.found.items())
-            raise UnsupportedModelError(
-                "dptrain refuses to train this model: parameters used outside the forward "
-                f"of the module that owns them: {uses}. Their gradient through that use would "
-                "escape per-example clipping. Move the computation into a module the engine "
-                "clips (e.g. an nn.Linear), or register a rule for the module that uses them."
-            )
+        self._batch_shape = _batch_shape_of(args, kwargs)
 
     def _make_hook(self, use: _Use):
-        def hook(module, args, output):
-            if not torch.is_grad_enabled() or not isinstance(output, Tensor):
+        def hook(module, args, kwargs, output):
+            # A forward re-run inside a backward (activation checkpointing recomputes a
+            # block's activations) is not a new call: recording it would count it twice.
+            if _in_backward() or not torch.is_grad_enabled() or not isinstance(output, Tensor):
                 return None
             if not output.requires_grad:
                 # Its parameters were frozen after the engine was built and its input
                 # needs no gradient: this call gives no parameter a gradient to clip.
                 return None
-            a = args[0]
-            b = self._batch_size
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+            if not inputs:
+                raise UnsupportedModelError(
+                    f"module {use.name} ({type(module).__name__}) was called without a tensor "
+                    "input: the engine has nothing to compute its per-example gradients from"
+                )
+            a = inputs[0]
+            in_nodes = [grad_node(t) for t in inputs]
+            edge_node = None
+            if getattr(use.rule, "lookup_from_graph", False):
+                edge_node = _lookup_node(output, module.weight, in_nodes)
+                if edge_node is None:
+                    raise UnsupportedModelError(
+                        f"module {use.name} ({type(module).__name__}): no embedding lookup of its "
+                        "weight was found in its forward, so the rule for it does not apply"
+                    )
+                a = edge_node._saved_indices
+                if edge_node is output.grad_fn:
+                    edge_node = None  # the lookup's output is the module's: as a plain Embedding
             shape = self._batch_shape
+            b = None if shape is None else shape[0]
+            call_index = len(use.calls)
+            expanded_to = None
             if (
                 b is not None
                 and isinstance(use.rule, EmbeddingRule)
-                and a.dim() == 1
-                and a.shape[0] == b
-                and shape is not None
-                and len(shape) >= 2
-                and shape[1] == b
+                and output.dim() in (2, 3)
+                and (a.dim() == 1 or (a.dim() == 2 and a.shape[0] == 1))
+                and output.shape[0] == a.shape[0]
+                and (a.shape[0] != b or (use.name, call_index) in self._shared_calls)
             ):
-                # (T,) position ids or (B,) per-example ids? With T == B the shapes cannot
-                # tell, and guessing wrong would clip per position instead of per example.
-                raise UnsupportedModelError(
-                    f"module {use.name} ({type(module).__name__}) got a 1-D input of length {b}, "
-                    f"which is both the batch size and the sequence length of the batch "
-                    f"{shape}: the engine cannot tell shared position ids from per-example ids. "
-                    "Pass position ids with a batch dimension, shape (1, T) or (B, T)."
-                )
-            if b is not None and (a.dim() == 0 or a.shape[0] != b):
-                if isinstance(use.rule, EmbeddingRule) and (a.dim() == 1 or a.shape[0] == 1):
-                    # Shared positions (HF/nanoGPT position ids of shape (T,) or (1, T)):
-                    # give every example its own copy so its gradient stays separate.
-                    a = a.reshape(1, -1).expand(b, -1)
-                    output = output.reshape(1, *output.shape[-2:]).expand(b, -1, -1)
-                else:
+                # A table shared by all examples (position ids of shape (T,) or (1, T)):
+                # give every example its own copy so its gradient stays separate. Where
+                # T == b and the call was never seen with T != b, this is not done: the
+                # call is taken as per-example rows and the exact check decides.
+                if a.shape[0] != b:
+                    self._shared_calls.add((use.name, call_index))
+                a = a.reshape(1, -1).expand(b, -1)
+                output = output.reshape(1, *output.shape[-2:]).expand(b, -1, -1)
+                expanded_to = b
+            if edge_node is not None:
+                # Rows scaled (or otherwise changed) after the lookup: record the gradient
+                # with respect to the looked-up rows themselves, (*ids.shape, d).
+                if expanded_to is not None or a.dim() == 0:
                     raise UnsupportedModelError(
-                        f"module {use.name} ({type(module).__name__}) got an input of shape "
-                        f"{tuple(a.shape)} whose first dimension is not the batch size {b}: "
-                        "its per-example gradients would be mixed"
+                        f"module {use.name} ({type(module).__name__}) changes the rows of a table "
+                        "shared by all examples after looking them up: not supported"
                     )
-            use.inputs.append(a.detach())
-            use.output_edges.append(get_gradient_edge(output))
-            return output
+                edge = GradientEdge(edge_node, 0)
+                out_shape = (*a.shape, module.weight.shape[1])
+            else:
+                edge = get_gradient_edge(output)
+                out_shape = tuple(output.shape)
+            use.calls.append(
+                _Call(
+                    index=call_index,
+                    a=a.detach(),
+                    edge=edge,
+                    out_shape=out_shape,
+                    in_nodes=in_nodes,
+                    expanded_to=expanded_to,
+                )
+            )
+            return output if expanded_to is not None else None
 
         return hook
 
@@ -346,8 +393,7 @@ class ClippingEngine:
     def clear(self) -> None:
         """Forget what the last forward recorded."""
         for use in self._uses.values():
-            use.inputs.clear()
-            use.output_edges.clear()
+            use.calls.clear()
 
     # -- the clipped backward -------------------------------------------------------------
 
@@ -364,16 +410,28 @@ class ClippingEngine:
             )
         threshold = self.max_grad_norm * check_positive("loss_scale", loss_scale)
         b = losses.shape[0]
-        active = [u for u in self._uses.values() if u.output_edges]
-        if b == 0 or not active:
+        try:
+            self._check_untouched_grads()
+            live = self._live_calls(losses) if b and losses.requires_grad else {}
+            active = [u for u in self._uses.values() if live.get(u)]
+            if not active:
+                self.clear()
+                zeros = torch.zeros(b)
+                return ClipStats(zeros, zeros, self.max_grad_norm)
+            new_patterns = self._layouts(active, live, b)
+            check = bool(new_patterns)
+            edges = [c.edge for u in active for c in live[u]]
+            grads = torch.autograd.grad(
+                losses.sum(), edges, allow_unused=True, retain_graph=check or self.mode == "ghost"
+            )
+            records = self._records(active, live, grads, b)
+            if check:
+                self_check.run(self, losses, active, live, edges, grads, records)
+                self._verified |= new_patterns
+                self.self_checks += 1
+        except BaseException:
             self.clear()
-            zeros = torch.zeros(b)
-            return ClipStats(zeros, zeros, self.max_grad_norm)
-        edges = [e for u in active for e in u.output_edges]
-        grads = torch.autograd.grad(
-            losses.sum(), edges, allow_unused=True, retain_graph=self.mode == "ghost"
-        )
-        records = self._records(active, grads, b)
+            raise
         norms_sq = self._norms_sq(records)
         if self.clipping == "per_layer":
             factors, total = self._per_layer_factors(norms_sq, threshold)
@@ -395,29 +453,148 @@ class ClippingEngine:
             self._book_keeping(records, factors)
             self.clear()
             self._per_example = {}
+        self._mark_grads()
         return ClipStats(total.detach() / loss_scale, factors.detach(), self.max_grad_norm)
 
-    def _records(
-        self, active: list[_Use], grads: tuple, b: int
-    ) -> dict[_Use, tuple[Tensor, Tensor]]:
-        """(a, g) per module, calls concatenated along tokens, in float32 or float64."""
-        records = {}
-        i = 0
+    # -- which rows are examples ----------------------------------------------------------
+
+    def _layouts(self, active: list[_Use], live: dict[_Use, list[_Call]], b: int) -> set[tuple]:
+        """Check every call has an example layout; return the patterns not yet checked exactly."""
+        new = set()
         for use in active:
-            a_parts, g_parts = [], []
-            for a in use.inputs:
-                g = grads[i]
-                i += 1
-                if g is None:  # this call did not reach the loss
-                    continue
-                if g.dim() == 0 or g.shape[0] != b:
+            for call in live[use]:
+                k = call.index
+                if call.expanded_to is not None and call.expanded_to != b:
+                    raise UnsupportedModelError(
+                        f"module {use.name} ({type(use.module).__name__}) is a table shared by "
+                        f"all examples and was expanded to the model input's {call.expanded_to} "
+                        f"rows, but {b} per-example losses were given: pass the losses of "
+                        "exactly the examples of the last forward pass"
+                    )
+                layout = example_layout(tuple(call.a.shape), call.out_shape, b, call.expanded_to)
+                if layout is None:
                     raise UnsupportedModelError(
                         f"module {use.name} ({type(use.module).__name__}) produced an output of "
-                        f"shape {tuple(g.shape)} for {b} per-example losses: its first dimension "
+                        f"shape {call.out_shape} for {b} per-example losses: its first dimension "
                         "is not the batch size, so its per-example gradients would be mixed (if "
                         "the model takes its inputs in an unusual container, pass input_ids= or "
                         "a tensor as the first argument)"
                     )
+                if b > 1:
+                    pattern = (
+                        use.name,
+                        k,
+                        *layout_pattern(layout, tuple(call.a.shape), call.out_shape, b),
+                    )
+                    if pattern not in self._verified:
+                        new.add(pattern)
+        return new
+
+    def _live_calls(self, losses: Tensor) -> dict[_Use, list[_Call]]:
+        """The recorded calls the losses depend on, after checking every parameter use.
+
+        One walk over the losses' autograd graph (:mod:`dptrain.clipping.graph_check`):
+        refuses reentrant checkpointing and any clipped parameter used outside its
+        modules' recorded calls. Calls outside the graph (an evaluation forward with
+        gradients enabled, a forward whose losses were not passed) are ignored.
+        """
+        names = {id(self.parameter(n)): n for n in self._groups}
+        uses_of, reentrant, seen = parameter_uses([losses.grad_fn], set(names))
+        if reentrant:
+            raise UnsupportedModelError(
+                "dptrain refuses to train this model: it uses reentrant activation checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True), whose recomputation runs a "
+                "nested backward that adds unclipped gradients to p.grad. Use non-reentrant "
+                "checkpointing: torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                "for a Hugging Face model gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False})."
+            )
+        live: dict[_Use, list[_Call]] = {}
+        inside: dict[int, set[int]] = {}
+        for use in self._uses.values():
+            calls = [c for c in use.calls if id(c.edge.node) in seen]
+            if calls:
+                live[use] = calls
+                inside[id(use)] = set().union(*(interior(c.edge.node, c.in_nodes) for c in calls))
+        outside = {}
+        for name, uses in self._groups.items():
+            pid = id(self.parameter(name))
+            allowed = set().union(*(inside.get(id(u), set()) for u, _ in uses))
+            for node in uses_of.get(pid, []):
+                if id(node) not in allowed:
+                    outside.setdefault(name, type(node).__name__)
+        if outside:
+            where = ", ".join(f"{name} (in {node})" for name, node in outside.items())
+            raise UnsupportedModelError(
+                "dptrain refuses to train this model: parameters used outside the forward "
+                f"of the module that owns them: {where}. Their gradient through that use would "
+                "escape per-example clipping. Move the computation into a module the engine "
+                "clips (e.g. an nn.Linear), or register a rule for the module that uses them."
+            )
+        return live
+
+    # -- p.grad is the engine's alone until the step --------------------------------------
+
+    def _mark_grads(self) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                self._grad_marks[id(p)] = (id(p.grad), p.grad._version)
+
+    def _check_untouched_grads(self) -> None:
+        """Refuse a ``p.grad`` the engine did not write (a plain backward, a stale gradient)."""
+        touched = [
+            name
+            for name in self._groups
+            if (p := self.parameter(name)).grad is not None
+            and self._grad_marks.get(id(p)) != (id(p.grad), p.grad._version)
+        ]
+        if touched:
+            raise UnsupportedModelError(
+                f"p.grad of {', '.join(touched)} holds a gradient the clipping engine did not "
+                "write (a loss.backward() outside the engine, or a gradient left from the last "
+                "step): it would reach the optimizer unclipped. Call optimizer.zero_grad() before "
+                "each logical batch and pass every loss through the engine."
+            )
+
+    def check_gradients(self, params: list[nn.Parameter] | None = None) -> None:
+        """Before a step: every ``p.grad`` is the engine's clipped sum, untouched since.
+
+        ``params``: the optimizer's parameters; each trainable one must be clipped by
+        this engine (one made trainable after the engine was built is not). Raises
+        :class:`UnsupportedModelError` otherwise (the DP optimizer calls this).
+        """
+        mine = {id(p) for p in self.parameters()}
+        by_id = {id(p): n for n, p in self.model.named_parameters()}
+        strays = [
+            by_id.get(id(p), f"tensor of shape {tuple(p.shape)}")
+            for p in params or []
+            if p.requires_grad and id(p) not in mine
+        ]
+        if strays:
+            raise UnsupportedModelError(
+                f"trainable parameters the clipping engine does not clip: {', '.join(strays)} "
+                "(made trainable after the engine was built?): they would be updated with "
+                "noise only, or with unclipped gradients. Freeze them, or build the engine "
+                "(make_private) after choosing what to train."
+            )
+        self._check_untouched_grads()
+
+    def _records(
+        self, active: list[_Use], live: dict[_Use, list[_Call]], grads: tuple, b: int
+    ) -> dict[_Use, tuple[Tensor, Tensor]]:
+        """(a, g) per module, example rows first, calls concatenated along tokens (float32/64)."""
+        records = {}
+        i = 0
+        for use in active:
+            a_parts, g_parts = [], []
+            for call in live[use]:
+                g = grads[i]
+                i += 1
+                if g is None:  # this call did not reach the loss
+                    continue
+                a = call.a
+                if a.shape[0] != b:  # blocks: (b * k, ...) rows, example-major
+                    a = a.reshape(b, -1, *a.shape[1:])
                 a = use.rule.prepare(use.module, a)
                 a_parts.append(upcast(a))
                 g_parts.append(upcast(g).reshape(b, a.shape[1], -1))
@@ -454,22 +631,35 @@ class ClippingEngine:
             if len(uses) == 1:
                 u, attr = present[0]
                 out[name] = per_module[u][attr]
-            elif _is_phantom(uses) and len(present) == 2:
-                out[name] = self._phantom_norm_sq(present, records, per_module)
+            elif _is_tied(uses):
+                out[name] = self._tied_norm_sq(present, records)
             else:
                 out[name] = self._shared_per_example(present, records).flatten(1).pow(2).sum(1)
         return out
 
-    def _phantom_norm_sq(self, present, records, per_module) -> Tensor:
-        """||X^T G_in + G_out^T H||^2 with the cross term (DESIGN.md, phantom clipping)."""
-        (emb, emb_attr), (lin, lin_attr) = sorted(
-            present, key=lambda ua: not isinstance(ua[0].rule, EmbeddingRule)
-        )
-        x, g_in = records[emb]
-        h, g_out = records[lin]
-        g_in = emb.rule._masked(emb.module, x, g_in)  # type: ignore[attr-defined]
-        cross = phantom_cross_term(x, g_in, h, g_out)
-        return per_module[emb][emb_attr] + per_module[lin][lin_attr] + 2 * cross
+    @staticmethod
+    def _tied_norm_sq(present, records) -> Tensor:
+        """||sum_k X_k^T G_k + sum_l G_out,l^T H_l||^2: phantom clipping (DESIGN.md).
+
+        The embedding uses (lookups) are concatenated along tokens, as are the
+        linear uses (output layers): both gradients are sums over tokens. Then
+        ||X^T G_in||^2 + ||G_out^T H||^2 + 2 <X^T G_in, G_out^T H>; adding the two
+        ghost norms alone would drop the cross term and be wrong.
+        """
+        embs = [u for u, _ in present if isinstance(u.rule, EmbeddingRule)]
+        lins = [u for u, _ in present if not isinstance(u.rule, EmbeddingRule)]
+        total = 0
+        if embs:
+            x = torch.cat([records[u][0] for u in embs], 1)
+            g_in = torch.cat([u.rule._masked(u.module, *records[u]) for u in embs], 1)  # type: ignore[attr-defined]
+            total = total + embedding_ghost_norm(x, g_in)
+        if lins:
+            h = torch.cat([records[u][0] for u in lins], 1)
+            g_out = torch.cat([records[u][1] for u in lins], 1)
+            total = total + gram_inner(h, g_out)
+        if embs and lins:
+            total = total + 2 * phantom_cross_term(x, g_in, h, g_out)
+        return total
 
     @staticmethod
     def _shared_per_example(present, records) -> Tensor:
@@ -501,15 +691,16 @@ class ClippingEngine:
             return self._group_factors[self._group_of(name, self._groups[name])]
         return factors
 
-    def _book_keeping(self, records, factors: Tensor) -> None:
-        """sum_i c_i grad_i from the stored (a, g), added into ``p.grad``."""
+    def weighted_sums(self, records, factor_of) -> dict[str, Tensor]:
+        """{parameter name: sum_i c_i grad_i} from the stored (a, g); ``factor_of(name)`` -> c."""
         sums: dict[_Use, dict[str, Tensor]] = {}
+        out = {}
         for name, uses in self._groups.items():
             present = [(u, attr) for u, attr in uses if u in records]
             if not present:
                 continue
-            c = self._factor_for(name, factors)
-            if len(uses) == 1 or _is_phantom(uses):
+            c = factor_of(name)
+            if len(uses) == 1 or _is_tied(uses):
                 grad = None
                 for u, attr in present:
                     if u in self._per_example:
@@ -524,7 +715,14 @@ class ClippingEngine:
             else:
                 per_ex = self._shared_per_example(present, records)
                 grad = torch.einsum("b,b...->...", c.to(per_ex.dtype), per_ex)
-            p = getattr(present[0][0].module, present[0][1])
+            out[name] = grad
+        return out
+
+    def _book_keeping(self, records, factors: Tensor) -> None:
+        """sum_i c_i grad_i from the stored (a, g), added into ``p.grad``."""
+        sums = self.weighted_sums(records, lambda name: self._factor_for(name, factors))
+        for name, grad in sums.items():
+            p = self.parameter(name)
             grad = grad.to(p.dtype)
             if p.grad is None:
                 # the param's own strides (a transposed Conv1D sum is not), as torch's
@@ -533,15 +731,43 @@ class ClippingEngine:
             else:
                 p.grad.add_(grad)
 
+    def parameter(self, name: str) -> nn.Parameter:
+        """The clipped parameter called ``name`` (see :attr:`parameter_names`)."""
+        module, attr = self._groups[name][0]
+        return getattr(module.module, attr)
 
-def _is_phantom(uses: list[tuple[_Use, str]]) -> bool:
-    """One Embedding weight tied to one Linear weight (tied LM head / item scoring)."""
-    # Exact rule types: Conv1D (a LinearRule subclass) stores its weight transposed.
+
+def _is_tied(uses: list[tuple[_Use, str]]) -> bool:
+    """An embedding weight shared by lookups and output layers (tied LM heads, T5, BART)."""
+    # Exact LinearRule: Conv1D (a LinearRule subclass) stores its weight transposed.
     return (
-        len(uses) == 2
-        and {type(u.rule) for u, _ in uses} == {EmbeddingRule, LinearRule}
+        len(uses) >= 2
         and all(attr == "weight" for _, attr in uses)
+        and all(isinstance(u.rule, EmbeddingRule) or type(u.rule) is LinearRule for u, _ in uses)
+        and any(isinstance(u.rule, EmbeddingRule) for u, _ in uses)
     )
+
+
+def _lookup_node(output: Tensor, weight: Tensor, stop_nodes: list):
+    """The ``embedding`` autograd node of ``weight`` inside a module call, or None."""
+    stop = {id(n) for n in stop_nodes if n is not None}
+    stack, seen = [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "EmbeddingBackward0" and any(
+            getattr(n, "variable", None) is weight for n, _ in node.next_functions
+        ):
+            return node
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return None
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward now (e.g. a checkpointed block's recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def upcast(t: Tensor) -> Tensor:
@@ -580,6 +806,34 @@ def _batch_size_of(args: tuple, kwargs: dict) -> int | None:
     """The batch size of the root model's call (first dimension of :func:`_batch_shape_of`)."""
     shape = _batch_shape_of(args, kwargs)
     return None if shape is None else shape[0]
+
+
+def _grouped_by_type(model: nn.Module, param_names: list[str]) -> list[str]:
+    """'Type (n modules: path patterns; parameters a, b)' per module type, in model order.
+
+    Layer indices are folded into '*' so that a 30-layer model's 61 norm weights read
+    as three patterns, not 61 names.
+    """
+    groups: dict[str, dict[str, dict]] = {}
+    for name in param_names:
+        module_name, _, attr = name.rpartition(".")
+        kind = _owner_type(model, name)
+        g = groups.setdefault(kind, {"modules": {}, "attrs": {}})
+        g["modules"][module_name or "<model>"] = None
+        g["attrs"][attr] = None
+    out = []
+    for kind, g in groups.items():
+        by_pattern: dict[str, list[str]] = {}
+        for m in g["modules"]:
+            folded = ".".join("*" if part.isdigit() else part for part in m.split("."))
+            by_pattern.setdefault(folded, []).append(m)
+        patterns = [p if len(ms) > 1 else ms[0] for p, ms in by_pattern.items()]
+        n = len(g["modules"])
+        out.append(
+            f"{kind} ({n} module{'s' if n > 1 else ''}: {', '.join(patterns)}; "
+            f"parameter{'s' if len(g['attrs']) > 1 else ''} {', '.join(g['attrs'])})"
+        )
+    return out
 
 
 def _owner_type(model: nn.Module, param_name: str) -> str:

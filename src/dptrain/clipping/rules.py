@@ -33,12 +33,17 @@ from torch import Tensor, nn
 
 __all__ = [
     "RULES",
+    "RULES_BY_NAME",
     "Conv1DRule",
     "EmbeddingRule",
     "LayerRule",
     "LinearRule",
+    "LookupEmbeddingRule",
     "NormLayerRule",
+    "RMSNormRule",
+    "embedding_ghost_norm",
     "find_rule",
+    "gram_inner",
     "register_rule",
 ]
 
@@ -48,6 +53,9 @@ class LayerRule(abc.ABC):
 
     #: Parameter attribute names the rule handles, e.g. ("weight", "bias").
     param_names: tuple[str, ...] = ("weight", "bias")
+    #: True where the module itself computes its parameter's gradient in float32 even in a
+    #: float64 model (Gemma's RMSNorm): the engine's self-check compares at float32 accuracy.
+    float32_inside: bool = False
     #: How norms are computed: "ghost" (always), "instantiate" (always: small
     #: per-example gradients), or "either" (the engine picks per call by cost).
     norm_choice: str = "instantiate"
@@ -107,6 +115,10 @@ def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
         + _block_inner(x2, x2, y2, y2)
         + 2 * _block_inner(x1, x2, y1, y2)
     )
+
+
+#: Public name of the ghost-norm Gram inner product (used by phantom clipping).
+gram_inner = _gram_inner
 
 
 def _block_inner(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor) -> Tensor:
@@ -207,9 +219,7 @@ class EmbeddingRule(LayerRule):
     def norms_sq(self, module, a, g, ghost):
         if not _trainable(module.weight):
             return {}
-        x, g = a, self._masked(module, a, g)
-        same = (x.unsqueeze(2) == x.unsqueeze(1)).to(g.dtype)  # (B, T, T)
-        return {"weight": (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))}
+        return {"weight": embedding_ghost_norm(a, self._masked(module, a, g))}
 
     def clipped_sum(self, module, a, g, factors):
         if not _trainable(module.weight):
@@ -221,12 +231,36 @@ class EmbeddingRule(LayerRule):
         return {"weight": out}
 
 
+class LookupEmbeddingRule(EmbeddingRule):
+    """An ``nn.Embedding`` subclass whose forward computes its own ids or scales the rows.
+
+    Hugging Face's learned positional embeddings (OPT, BART) take the attention
+    mask or the token ids and look up positions + an offset; the scaled word
+    embeddings (Gemma, BART) multiply the looked-up rows by a constant. The
+    engine therefore reads the ids the lookup really used, and the gradient
+    with respect to the looked-up rows, from the ``embedding`` node of the
+    module's autograd graph, not from the module's argument and output; the
+    rule's algebra is then the plain embedding's.
+    """
+
+    lookup_from_graph = True
+
+
 class NormLayerRule(LayerRule):
     """``nn.LayerNorm`` / ``nn.RMSNorm``: grad_w,i = sum_t g_t * xhat_t, grad_b,i = sum_t g_t.
 
     xhat (the normalised input) is recomputed from the captured input. The
     per-example gradients are d-vectors, so they are always instantiated.
     """
+
+    def check(self, module):
+        if not hasattr(module, "normalized_shape") or not hasattr(module, "eps"):
+            return (
+                "NormLayerRule reads normalized_shape and eps as nn.LayerNorm / nn.RMSNorm "
+                f"define them, and {type(module).__name__} has no such attributes (for an "
+                "RMSNorm variant y = (offset + weight) * x / rms(x), use RMSNormRule)"
+            )
+        return None
 
     def prepare(self, module, a):
         d = 1
@@ -256,6 +290,62 @@ class NormLayerRule(LayerRule):
         }
 
 
+class RMSNormRule(LayerRule):
+    """RMSNorm variants y = (offset + w) * n(x), n(x) = x / sqrt(mean(x^2) + eps).
+
+    Llama, Qwen, Mistral, Phi-3 and T5 use offset 0; Gemma uses offset 1 (its
+    weight starts at zero). Each family computes n(x) its own way (in float32,
+    cast back before or after the scale), so n(x) is not recomputed here but
+    taken from the module itself, called with the neutral weight (ones for
+    offset 0, zeros for offset 1): y = 1 * n(x) is then n(x) exactly as the
+    module computes it. grad_w,i = sum_t g_t * n(x_t), a d-vector: instantiated.
+    """
+
+    param_names = ("weight",)
+
+    def __init__(self, offset: float = 0.0):
+        if offset not in (0.0, 1.0):
+            raise ValueError(f"offset={offset!r} is not allowed: expected 0 or 1")
+        self.offset = float(offset)
+        # Gemma multiplies by (1 + w) in float32, so autograd's own gradient is float32-accurate.
+        self.float32_inside = self.offset == 1.0
+
+    def check(self, module):
+        w = getattr(module, "weight", None)
+        if not isinstance(w, Tensor) or w.dim() != 1:
+            return "RMSNormRule needs a 1-D weight (one gain per feature)"
+        if any(True for _ in module.parameters(recurse=False) if _ is not w):
+            return "RMSNormRule handles a module whose only parameter is its weight"
+        return None
+
+    def prepare(self, module, a):
+        return a.reshape(a.shape[0], -1, module.weight.shape[0])
+
+    def _normalised(self, module: nn.Module, a: Tensor) -> Tensor:
+        neutral = torch.full_like(module.weight, 1.0 - self.offset, dtype=a.dtype)
+        with torch.no_grad():  # no_grad also keeps the clipping engine's hooks silent
+            out = torch.func.functional_call(module, {"weight": neutral}, (a,))
+        return out.to(a.dtype)
+
+    def per_example(self, module, a, g):
+        if not _trainable(module.weight):
+            return {}
+        g = g.reshape(a.shape)
+        return {"weight": (g * self._normalised(module, a)).sum(1)}
+
+    def clipped_sum(self, module, a, g, factors):
+        return {
+            k: torch.einsum("b,b...->...", factors.to(v.dtype), v)
+            for k, v in self.per_example(module, a, g).items()
+        }
+
+
+def embedding_ghost_norm(x: Tensor, g: Tensor) -> Tensor:
+    """sum_{t,s: x_t = x_s} <g_t, g_s> per example: ||X^T g||^2 without the V x d matrix, (B,)."""
+    same = (x.unsqueeze(2) == x.unsqueeze(1)).to(g.dtype)  # (B, T, T)
+    return (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
+
+
 def _scale_rows(x: Tensor, factors: Tensor) -> Tensor:
     """x[i] * factors[i] for x (B, ...); as a 2-D product, about twice as fast on CPU
     as broadcasting factors over (B, 1, 1)."""
@@ -282,6 +372,43 @@ except ImportError:  # pragma: no cover - depends on the environment
     pass
 
 
+#: Rules for types of optional packages, keyed by "module.qualname" of the exact type, so
+#: that dptrain need not import every Hugging Face model family to register them.
+RULES_BY_NAME: dict[str, LayerRule] = {
+    **{
+        f"transformers.models.{fam}.modeling_{fam}.{cls}RMSNorm": RMSNormRule()
+        for fam, cls in [
+            ("llama", "Llama"),
+            ("qwen2", "Qwen2"),
+            ("qwen3", "Qwen3"),
+            ("mistral", "Mistral"),
+            ("mixtral", "Mixtral"),
+            ("phi3", "Phi3"),
+        ]
+    },
+    **{
+        f"transformers.models.{fam}.modeling_{fam}.{cls}RMSNorm": RMSNormRule(offset=1.0)
+        for fam, cls in [("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
+    },
+    "transformers.models.t5.modeling_t5.T5LayerNorm": RMSNormRule(),
+    **{
+        f"transformers.models.{path}": LookupEmbeddingRule()
+        for path in [
+            "opt.modeling_opt.OPTLearnedPositionalEmbedding",
+            "bart.modeling_bart.BartLearnedPositionalEmbedding",
+            "bart.modeling_bart.BartScaledWordEmbedding",
+            "gemma.modeling_gemma.GemmaTextScaledWordEmbedding",
+            "gemma2.modeling_gemma2.Gemma2TextScaledWordEmbedding",
+            "gemma3.modeling_gemma3.Gemma3TextScaledWordEmbedding",
+        ]
+    },
+}
+
+
+def _type_name(module_type: type) -> str:
+    return f"{module_type.__module__}.{module_type.__qualname__}"
+
+
 def register_rule(module_type: type[nn.Module], rule: LayerRule) -> None:
     """Register (or replace) the rule for ``module_type``."""
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
@@ -298,4 +425,5 @@ def find_rule(module: nn.Module) -> LayerRule | None:
     ``forward`` (LoRA, quantised layers), and a wrong rule would clip wrongly
     without any sign. Register such types explicitly.
     """
-    return RULES.get(type(module))
+    rule = RULES.get(type(module))
+    return rule if rule is not None else RULES_BY_NAME.get(_type_name(type(module)))

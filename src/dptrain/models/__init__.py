@@ -8,9 +8,13 @@
 - :class:`SeqRecRNN` / :class:`SeqRecRNNConfig`, :class:`DPGRU`, :class:`DPLSTM`:
   GRU/LSTM baselines built from ``nn.Linear`` cells (stock ``nn.GRU``/``nn.LSTM``
   hold raw parameters, which the engine refuses).
+- :func:`load_pretrained_lm`: a pretrained Hugging Face causal LM and its
+  tokenizer, offline; :data:`SMOLLM2` is the packaged SmolLM2-135M-Instruct
+  (needs ``transformers`` only when called; :func:`smollm2_available`).
 """
 
 from dptrain.models.gpt import GPT, GPTConfig
+from dptrain.models.pretrained import SMOLLM2, load_pretrained_lm, smollm2_available
 from dptrain.models.rnn import (
     DPGRU,
     DPLSTM,
@@ -25,6 +29,7 @@ __all__ = [
     "DPGRU",
     "DPLSTM",
     "GPT",
+    "SMOLLM2",
     "DPGRUCell",
     "DPLSTMCell",
     "GPTConfig",
@@ -32,4 +37,6 @@ __all__ = [
     "SeqRecRNN",
     "SeqRecRNNConfig",
     "SeqRecTransformer",
+    "load_pretrained_lm",
+    "smollm2_available",
 ]

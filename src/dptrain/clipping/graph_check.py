@@ -1,0 +1,102 @@
+"""Every gradient path into a clipped parameter must pass through a recorded module call.
+
+The engine gets each example's gradient from what a module's forward records
+(its inputs and where its output enters the autograd graph). If a clipped
+parameter also enters the computation elsewhere (``y = x + self.fc.bias`` in a
+parent's forward, a tied head written in the loss code, a penalty on the
+weights added to the per-example losses), the gradient through that use never
+reaches a recorded output: book-keeping would drop it and a second backward
+(ghost mode) would add it unclipped. Neither is acceptable.
+
+This is checked on the autograd graph of the losses themselves, so it covers
+the model's forward, the loss code and anything else up to the point where the
+clipped sum is formed, at the cost of one walk over the graph (no backward):
+
+- the *interior* of a recorded call is the set of graph nodes reachable from
+  its output node without passing through one of its inputs' nodes: the
+  operations the module's own forward performed;
+- a parameter's uses are the nodes whose next functions include its
+  ``AccumulateGrad`` node; each use must lie in the interior of a call of a
+  module that owns the parameter.
+
+The walk also refuses reentrant activation checkpointing
+(``torch.utils.checkpoint(..., use_reentrant=True)``): its recomputation runs a
+nested backward that accumulates unclipped gradients into ``p.grad`` and hides
+the parameters from this graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import Tensor
+
+__all__ = ["REENTRANT_CHECKPOINT_NODE", "interior", "parameter_uses"]
+
+#: The autograd node of ``torch.utils.checkpoint.CheckpointFunction`` (reentrant mode).
+REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
+
+
+def interior(output_node, stop_nodes: Iterable) -> set[int]:
+    """ids of the graph nodes from ``output_node`` down to (excluding) ``stop_nodes``.
+
+    ``stop_nodes`` are the nodes of the call's tensor inputs; leaves (the
+    ``AccumulateGrad`` nodes of parameters) end the walk as well.
+    """
+    if output_node is None:
+        return set()
+    stop = {id(n) for n in stop_nodes if n is not None}
+    seen: set[int] = set()
+    stack = [output_node]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        for nxt, _ in node.next_functions:
+            if nxt is not None and not hasattr(nxt, "variable"):
+                stack.append(nxt)
+    return seen
+
+
+def parameter_uses(
+    roots: Iterable, watched: set[int]
+) -> tuple[dict[int, list], list[str], set[int]]:
+    """Walk the graph below ``roots``.
+
+    Returns ({parameter id: [nodes that use it]} for the parameters in
+    ``watched``, [names of reentrant-checkpoint nodes found], ids of all nodes seen).
+    """
+    uses: dict[int, list] = {}
+    reentrant: list[str] = []
+    seen: set[int] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        name = type(node).__name__
+        if name == REENTRANT_CHECKPOINT_NODE:
+            reentrant.append(name)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            variable = getattr(nxt, "variable", None)
+            if variable is not None:  # AccumulateGrad: a leaf tensor
+                if id(variable) in watched:
+                    uses.setdefault(id(variable), []).append(node)
+            elif id(nxt) not in seen:
+                stack.append(nxt)
+    return uses, reentrant, seen
+
+
+def grad_node(t: Tensor):
+    """The node where ``t``'s gradient enters the graph (None if it needs none)."""
+    if not t.requires_grad:
+        return None
+    if t.grad_fn is not None:
+        return t.grad_fn
+    from torch.autograd.graph import get_gradient_edge
+
+    return get_gradient_edge(t).node

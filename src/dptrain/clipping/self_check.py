@@ -1,0 +1,163 @@
+"""The engine's exact self-check, run on a chunk whose layout pattern is new.
+
+The clipping engine reads example i's gradient from row i of each recorded
+call (see :mod:`dptrain.clipping.layout`). That is right only if example i's
+loss reaches no other row and the rules reconstruct the whole gradient. Both
+are checked with one extra backward pass, of the re-weighted loss
+sum_i w_i L_i with weights w_i = 2^e_i (e_i random in -3..3):
+
+1. **Rows.** For every recorded output, d(sum_i w_i L_i)/d out must equal
+   w_i * d(sum_i L_i)/d out in row i. Powers of two scale floating-point
+   numbers exactly, so for a correct layout the two agree to the last bit on
+   a deterministic backend; a row that carries the gradient of another
+   example's loss (a shared table whose length equals the chunk size, a
+   time-first tensor with T = B, an operation that mixes the examples, a loss
+   with in-batch negatives) differs by an amount of the order of the mixing.
+2. **Completeness.** For every clipped parameter, the rules' weighted sum
+   sum_i w_i grad_i (book-keeping from the recorded a and g) must equal
+   autograd's gradient of sum_i w_i L_i. This checks each rule's algebra on
+   the module it was given (a registered rule for the wrong type, a generic
+   rule on a module it cannot handle) and any gradient path the records miss.
+
+The weights come from a fixed-seed generator: they carry no data and need no
+privacy. The check's cost is one backward (with parameter gradients) on the
+chunks where a pattern is new, usually the first chunk and a handful more.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dptrain.clipping.engine import ClippingEngine
+
+__all__ = ["ROW_TOLERANCE", "SUM_TOLERANCE", "check_weights", "run"]
+
+#: Relative tolerance of the rows check, by the dtype of the recorded gradient. A
+#: correct layout agrees exactly on CPU; the slack is for reordered sums on GPUs.
+ROW_TOLERANCE = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.bfloat16: 1e-3,
+    torch.float16: 1e-3,
+}
+#: Relative tolerance of the completeness check: the rules and autograd sum in
+#: different orders (and, under autocast, in different precisions).
+SUM_TOLERANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-4,
+    torch.bfloat16: 5e-2,
+    torch.float16: 5e-2,
+}
+
+_EXPONENTS = torch.arange(-3, 4)
+
+
+def check_weights(b: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Tensor:
+    """(b,) powers of two, pairwise distinct where b <= 7, from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    if b <= len(_EXPONENTS):
+        e = _EXPONENTS[torch.randperm(len(_EXPONENTS), generator=gen)[:b]]
+    else:
+        e = _EXPONENTS[torch.randint(len(_EXPONENTS), (b,), generator=gen)]
+    return torch.pow(2.0, e.to(torch.float64)).to(dtype=dtype, device=device)
+
+
+def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, records) -> None:
+    """Raise :class:`~dptrain.clipping.UnsupportedModelError` if the chunk fails the check."""
+    from dptrain.clipping.engine import UnsupportedModelError
+
+    b = losses.shape[0]
+    w = check_weights(b, losses.dtype, losses.device, seed=engine.self_checks)
+    names = [n for n in engine.parameter_names if any(u in records for u, _ in engine._groups[n])]
+    params = [engine.parameter(n) for n in names]
+    out = torch.autograd.grad(
+        (losses * w).sum(),
+        [*edges, *params],
+        allow_unused=True,
+        retain_graph=engine.mode == "ghost",
+    )
+    weighted_edges, weighted_params = out[: len(edges)], out[len(edges) :]
+
+    i = 0
+    for use in active:
+        for call in live[use]:
+            g, wg = grads[i], weighted_edges[i]
+            i += 1
+            err = _rows_error(g, wg, w, b)
+            if err > ROW_TOLERANCE.get(g.dtype if g is not None else torch.float32, 1e-5):
+                raise UnsupportedModelError(
+                    f"module {use.name} ({type(use.module).__name__}): the rows of its "
+                    f"{_describe(call, b)} are not one per example: re-weighting each example's "
+                    f"loss changed row i by more than that example's weight (relative error "
+                    f"{err:.2e}). Example i's loss reaches rows of other examples, so clipping "
+                    "these rows would not bound one example's influence. Typical causes: a table "
+                    f"shared by all examples whose length equals the chunk size ({b}; pass its "
+                    "ids with a batch dimension, shape (1, T), or change max_physical_batch_size), "
+                    "a time-first (T, B, ...) tensor with T = B, or an operation that mixes "
+                    "examples (batch statistics, in-batch negatives in the loss)."
+                )
+
+    low = any(g is not None and g.dtype in (torch.bfloat16, torch.float16) for g in grads)
+    wanted = engine.weighted_sums(records, lambda name: w.to(_record_dtype(records)))
+    tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[_record_dtype(records)]
+    autos = [
+        torch.zeros_like(p) if a is None else a
+        for p, a in zip(params, weighted_params, strict=True)
+    ]
+    # A parameter whose gradient is zero by symmetry (BERT's key bias: softmax ignores
+    # a shift shared by all keys) has only rounding noise to compare: its scale is
+    # floored at sqrt(tol) times the largest gradient of the model.
+    floor = math.sqrt(tol) * max((float(a.abs().max()) for a in autos if a.numel()), default=0.0)
+    for name, auto in zip(names, autos, strict=True):
+        mine = wanted.get(name)
+        mine = torch.zeros_like(auto) if mine is None else mine.to(auto.dtype)
+        scale = max(float(auto.abs().max()), float(mine.abs().max()), floor) if auto.numel() else 0
+        err = float((mine - auto).abs().max()) / scale if scale > 0 else 0.0
+        ptol = tol
+        if any(u.rule.float32_inside for u, _ in engine._groups[name]):
+            ptol = max(tol, SUM_TOLERANCE[torch.float32])
+        if err > ptol:
+            owners = ", ".join(
+                f"{u.name} ({type(u.module).__name__})" for u, _ in engine._groups[name]
+            )
+            raise UnsupportedModelError(
+                f"parameter {name}: the gradient the engine reconstructs from the recorded "
+                f"calls of {owners} differs from autograd's by {err:.2e} (relative). The rule "
+                "for this module type does not compute its gradient exactly (a rule registered "
+                "for a type it does not fit?), or part of the gradient bypasses the module's "
+                "recorded input and output. Register a rule that fits, or freeze the parameter."
+            )
+
+
+def _rows_error(g: Tensor | None, wg: Tensor | None, w: Tensor, b: int) -> float:
+    """max_i ||wg_i - w_i g_i|| / max_i ||w_i g_i|| (0 where both are absent or zero)."""
+    if g is None and wg is None:
+        return 0.0
+    if g is None or wg is None:
+        return float("inf")
+    g = g.reshape(b, -1).to(torch.float64)
+    wg = wg.reshape(b, -1).to(torch.float64)
+    want = g * w.to(torch.float64)[:, None]
+    scale = float(want.norm(dim=1).max())
+    diff = float((wg - want).norm(dim=1).max())
+    if scale == 0:
+        return 0.0 if diff == 0 else float("inf")
+    return diff / scale
+
+
+def _describe(call, b: int) -> str:
+    if call.expanded_to is not None:
+        return f"output (a shared table expanded to {tuple(call.out_shape)})"
+    return f"input {tuple(call.a.shape)} / output {tuple(call.out_shape)} ({b} examples)"
+
+
+def _record_dtype(records) -> torch.dtype:
+    for _, g in records.values():
+        if g.dtype == torch.float64:
+            return torch.float64
+    return torch.float32

@@ -1,0 +1,85 @@
+"""The acceptance test of the engine: one record moves the clipped sum by at most C.
+
+Scale one example's loss by lambda in {0, 1, 10, 1e3, 1e6} (lambda = 0 removes the
+record's influence); the noiseless clipped sum over the chunk, for each lambda,
+may differ from any other by at most C (plus 1e-9 slack), or the engine must
+refuse the model. The sums are compared pairwise, so a model that leaks the
+record into other examples' rows or bypasses clipping fails for large lambda.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from dptrain.clipping import ClippingEngine, UnsupportedModelError
+
+LAMBDAS = (0.0, 1.0, 10.0, 1e3, 1e6)
+SLACK = 1e-9
+
+REFUSED = "refused"
+PRIVATE = "private"
+
+
+def clipped_sums(
+    model: nn.Module,
+    losses_of: Callable[[], Tensor],
+    index: int,
+    *,
+    max_grad_norm: float,
+    mode: str,
+    clipping: str = "flat",
+) -> list[Tensor]:
+    """The flattened noiseless clipped sum for each lambda (example ``index`` scaled)."""
+    engine = ClippingEngine(model, max_grad_norm, mode=mode, clipping=clipping)
+    params = engine.parameters()
+    out = []
+    try:
+        for lam in LAMBDAS:
+            model.zero_grad(set_to_none=True)
+            losses = losses_of()
+            scale = torch.ones_like(losses)
+            scale[index] = lam
+            engine.backward(losses * scale)
+            out.append(
+                torch.cat(
+                    [
+                        (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double()
+                        for p in params
+                    ]
+                )
+            )
+    finally:
+        engine.detach()
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def sensitivity(
+    model: nn.Module,
+    losses_of: Callable[[], Tensor],
+    index: int = 0,
+    *,
+    max_grad_norm: float = 1.0,
+    mode: str = "book_keeping",
+    clipping: str = "flat",
+    slack: float = SLACK,
+) -> tuple[str, float]:
+    """(REFUSED, nan) or (PRIVATE, max pairwise distance / C); asserts the bound.
+
+    ``slack``: relative slack; 1e-9 unless the model computes in lower precision inside.
+    """
+    try:
+        sums = clipped_sums(
+            model, losses_of, index, max_grad_norm=max_grad_norm, mode=mode, clipping=clipping
+        )
+    except UnsupportedModelError:
+        return REFUSED, float("nan")
+    worst = max(float((x - y).norm()) for x, y in itertools.combinations(sums, 2))
+    assert worst <= max_grad_norm * (1 + slack) + SLACK, (
+        f"one record moved the clipped sum by {worst / max_grad_norm:.3f} C (mode={mode})"
+    )
+    return PRIVATE, worst / max_grad_norm

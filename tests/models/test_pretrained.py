@@ -181,3 +181,94 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     expected = tmp_path / "home" / ".cache" / "dptrain" / "models" / SMOLLM2
     assert pretrained._default_cache_dir(SMOLLM2) == expected
+
+
+# -- the real model through the clipping engine -------------------------------------------
+
+
+def _token_batch(tokenizer, b=3):
+    texts = [
+        "name[The Eagle] eatType[coffee shop] food[French]",
+        "The Eagle is a French coffee shop.",
+        "Hello there",
+    ][:b]
+    batch = tokenizer(
+        texts, return_tensors="pt", padding="max_length", max_length=10, truncation=True
+    )
+    labels = batch["input_ids"][:, 1:].clone()
+    labels[batch["attention_mask"][:, 1:] == 0] = -100
+    return batch["input_ids"], batch["attention_mask"], labels
+
+
+@needs_smollm2
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+def test_smollm2_full_fine_tuning_matches_the_oracle(smollm2_2layers, mode):
+    """Every parameter trainable: RMSNorm gains, projections, the tied embedding (phantom)."""
+    import copy
+
+    from dptrain.losses import per_example_cross_entropy
+    from tests.clipping.oracle_check import assert_engine_matches_oracle
+
+    model, tokenizer = smollm2_2layers
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = copy.deepcopy(model).double().train()
+    model.requires_grad_(True)
+    ids, mask, labels = _token_batch(tokenizer)
+
+    def losses_of(rows):
+        out = model(input_ids=ids[rows], attention_mask=mask[rows])
+        return per_example_cross_entropy(out.logits[:, :-1], labels[rows])
+
+    # HF's eager softmax and LlamaRMSNorm run in float32 inside the float64 model: exact
+    # in book-keeping, float32-accurate in ghost mode (docs/engine.md).
+    tol = 1e-10 if mode == "book_keeping" else 1e-6
+    assert_engine_matches_oracle(model, losses_of, 3, mode=mode, tol=tol, scale_floor=1e-4)
+
+
+@needs_smollm2
+@pytest.mark.parametrize("lora", [False, True])
+def test_smollm2_trains_through_make_private(smollm2_2layers, lora):
+    import copy
+
+    from dptrain import make_private
+    from dptrain.losses import per_example_cross_entropy
+
+    model, tokenizer = smollm2_2layers
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = copy.deepcopy(model).train()
+    if lora:
+        peft = pytest.importorskip("peft")
+        config = peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        )
+        model = peft.get_peft_model(model, config)
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    ids, mask, labels = _token_batch(tokenizer)
+    data = list(zip(ids, mask, labels, strict=True))
+    private = make_private(
+        model,
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3),
+        data,
+        batch_size=2,
+        max_grad_norm=1.0,
+        steps=2,
+        noise_multiplier=1.0,
+        max_physical_batch_size=2,
+        seed=0,
+    )
+    for batch in private.data_loader:
+        private.optimizer.zero_grad()
+        for x, m, y in batch.chunks:
+            out = model(input_ids=x, attention_mask=m)
+            private.backward(per_example_cross_entropy(out.logits[:, :-1], y))
+        private.optimizer.step()
+    assert private.ledger.num_steps == 2 and private.optimizer.steps_taken == 2
+    for n, p in model.named_parameters():
+        if p.requires_grad:  # every trainable parameter moved (noise at least)
+            assert not torch.equal(p.detach(), trainable[n]), n
+    private.engine.detach()

@@ -194,13 +194,14 @@ def test_engine_refuses_stock_gru_and_lstm():
         ),
         (nn.LSTM(3, 4), "LSTM", [f"{w}_{s}_l0" for w, s in _RAW]),
     ]:
-        listed = ", ".join(f"{n} ({kind})" for n in names)
+        listed = ", ".join(names)
         with pytest.raises(
             UnsupportedModelError,
             match="^"
             + re.escape(
                 "dptrain refuses to train this model: no per-example clipping rule for these "
-                f"trainable parameters: {listed}. Freeze them"
+                f"trainable parameters, by module type: {kind} (1 module: <model>; parameters "
+                f"{listed}). Freeze them"
             ),
         ):
             ClippingEngine(module, 1.0)

@@ -203,9 +203,10 @@ def test_ledger_given_is_continued():
 # -- the step refuses gradients the engine did not clip -------------------------------------
 
 
-def _private_pair(seed=0):
+def _private_pair(model=None, seed=0):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    if model is None:
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     engine = ClippingEngine(model, 1.0)
     opt = DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1),
@@ -251,18 +252,9 @@ def test_a_gradient_left_from_the_last_step_is_refused():
 def test_a_parameter_made_trainable_after_the_engine_is_refused():
     from dptrain.clipping import UnsupportedModelError
 
-    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
     model[0].requires_grad_(False)
-    engine = ClippingEngine(model, 1.0)
-    opt = DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        expected_batch_size=4.0,
-        sample_rate=0.5,
-        engine=engine,
-    )
+    model, engine, opt = _private_pair(model)
     model[0].requires_grad_(True)
     opt.zero_grad()
     engine.backward(model(torch.randn(4, 3)).pow(2).sum(1))

@@ -43,19 +43,7 @@ EXACT = [
 #: the RMSNorm normalisation). Book-keeping weights the per-example gradients after the
 #: backward, in float64, and stays exact; ghost mode's second backward scales each loss by
 #: its clip factor *before* those float32 casts, so it is float32-accurate there.
-FLOAT32_INSIDE = {
-    "llama",
-    "llama-tied",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "phi3",
-    "gemma",
-    "gemma2",
-    "gemma3",
-    "opt",
-    "t5",  # T5LayerNorm's variance
-}
+FLOAT32_INSIDE = set(EXACT) - {"bart", "gpt2", "bert"}  # T5: T5LayerNorm's variance
 #: Gemma's RMSNorm multiplies by (1 + w) in float32: its weight gradient, the oracle's
 #: included, is float32-accurate in either mode.
 GEMMA = {"gemma", "gemma2", "gemma3"}

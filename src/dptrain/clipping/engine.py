@@ -498,8 +498,8 @@ class ClippingEngine:
         modules' recorded calls. Calls outside the graph (an evaluation forward with
         gradients enabled, a forward whose losses were not passed) are ignored.
         """
-        names = {id(self.parameter(n)): n for n in self._groups}
-        uses_of, reentrant, seen = parameter_uses([losses.grad_fn], set(names))
+        ids = {name: id(self.parameter(name)) for name in self._groups}
+        uses_of, reentrant, seen = parameter_uses([losses.grad_fn], set(ids.values()))
         if reentrant:
             raise UnsupportedModelError(
                 "dptrain refuses to train this model: it uses reentrant activation checkpointing "
@@ -518,9 +518,8 @@ class ClippingEngine:
                 inside[id(use)] = set().union(*(interior(c.edge.node, c.in_nodes) for c in calls))
         outside = {}
         for name, uses in self._groups.items():
-            pid = id(self.parameter(name))
             allowed = set().union(*(inside.get(id(u), set()) for u, _ in uses))
-            for node in uses_of.get(pid, []):
+            for node in uses_of.get(ids[name], []):
                 if id(node) not in allowed:
                     outside.setdefault(name, type(node).__name__)
         if outside:

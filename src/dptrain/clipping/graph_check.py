@@ -30,8 +30,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["REENTRANT_CHECKPOINT_NODE", "interior", "parameter_uses"]
+__all__ = ["REENTRANT_CHECKPOINT_NODE", "grad_node", "interior", "parameter_uses"]
 
 #: The autograd node of ``torch.utils.checkpoint.CheckpointFunction`` (reentrant mode).
 REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
@@ -95,8 +96,4 @@ def grad_node(t: Tensor):
     """The node where ``t``'s gradient enters the graph (None if it needs none)."""
     if not t.requires_grad:
         return None
-    if t.grad_fn is not None:
-        return t.grad_fn
-    from torch.autograd.graph import get_gradient_edge
-
-    return get_gradient_edge(t).node
+    return t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node

@@ -103,8 +103,10 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
                 )
 
     low = any(g is not None and g.dtype in (torch.bfloat16, torch.float16) for g in grads)
-    wanted = engine.weighted_sums(records, lambda name: w.to(_record_dtype(records)))
-    tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[_record_dtype(records)]
+    dtype = _record_dtype(records)
+    w_records = w.to(dtype)
+    wanted = engine.weighted_sums(records, lambda name: w_records)
+    tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[dtype]
     autos = [
         torch.zeros_like(p) if a is None else a
         for p, a in zip(params, weighted_params, strict=True)

@@ -15,33 +15,26 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from dptrain.clipping import oracle_clipped_sum, oracle_per_example_grads
+from dptrain.clipping import (
+    ClippingEngine,
+    UnsupportedModelError,
+    oracle_clipped_sum,
+    oracle_per_example_grads,
+)
+from dptrain.clipping.conv_rules import ConvRule, GroupNormRule
 from dptrain.clipping.rules import RULES, find_rule
-from tests.clipping.oracle_check import SCALE_FLOOR, TOLERANCE, relative_error
-
-# Importing conv_rules registers its rules. Until the engine honours ``raw_layout``,
-# keep them out of the registry that the other test modules see (collection imports
-# every module first): registered only while this module's tests run.
-_BEFORE = dict(RULES)
-from dptrain.clipping.conv_rules import ConvRule, GroupNormRule  # noqa: E402
-
-_OURS = {t: r for t, r in RULES.items() if _BEFORE.get(t) is not r}
-RULES.clear()
-RULES.update(_BEFORE)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _conv_rules_registered():
-    saved = dict(RULES)
-    RULES.update(_OURS)
-    yield
-    RULES.clear()
-    RULES.update(saved)
-
+from tests.clipping.oracle_check import (
+    SCALE_FLOOR,
+    TOLERANCE,
+    assert_engine_matches_oracle,
+    relative_error,
+)
+from tests.clipping.sensitivity import PRIVATE, sensitivity
 
 DTYPES = [torch.float64, torch.float32]
 CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
@@ -353,3 +346,74 @@ def test_registry_has_exact_types_only():
         pass
 
     assert find_rule(MyConv(1, 1, 1)) is None
+
+
+# -- through the engine ----------------------------------------------------------------
+
+
+class SmallCNN(nn.Module):
+    """Conv2d -> GroupNorm -> a second conv applied twice (one weight, two calls) -> head."""
+
+    def __init__(self, c_in=3, classes=3):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.shared = nn.Conv2d(4, 4, 3, padding="same", padding_mode="reflect", groups=2)
+        self.head = nn.Linear(4, classes)
+
+    def forward(self, x):  # x (B, C, H, W)
+        h = torch.relu(self.norm(self.conv(x)))
+        h = self.shared(torch.tanh(self.shared(h)))
+        return self.head(h.mean((2, 3)))
+
+
+def _images(b, c=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, c, 5, 5, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "automatic", "per_layer"])
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+def test_cnn_through_the_engine_matches_the_oracle(mode, clipping):
+    if clipping == "per_layer" and mode == "ghost":
+        pytest.skip("per-layer clipping needs book-keeping")
+    torch.manual_seed(0)
+    model = SmallCNN().double()
+    x, y = _images(4), torch.tensor([0, 2, 1, 0])
+
+    def losses_of(rows):
+        return F.cross_entropy(model(x[rows]), y[rows], reduction="none")
+
+    assert_engine_matches_oracle(model, losses_of, 4, mode=mode, clipping=clipping)
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+def test_cnn_keeps_one_record_within_c_when_channels_equal_the_chunk(mode):
+    torch.manual_seed(0)
+    model = SmallCNN(c_in=4).double()
+    x = _images(4, c=4)  # B = C_in = 4
+    y = torch.tensor([0, 2, 1, 0])
+    outcome = sensitivity(
+        model,
+        lambda: F.cross_entropy(model(x), y, reduction="none"),
+        1,
+        max_grad_norm=0.1,
+        mode=mode,
+    )[0]
+    assert outcome == PRIVATE
+
+
+def test_conv_on_example_blocks_is_refused_by_name():
+    class Blocks(nn.Module):  # two images per example stacked along dim 0
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(2, 2, 1)
+
+        def forward(self, x):  # x (B, 2, 2, L) -> conv on (2B, 2, L)
+            return self.conv(x.flatten(0, 1)).reshape(x.shape[0], -1).sum(1)
+
+    model = Blocks()
+    engine = ClippingEngine(model, 1.0)
+    with pytest.raises(UnsupportedModelError, match=r"^module conv \(Conv1d\) was called on an"):
+        engine.backward(model(torch.randn(3, 2, 2, 4)))
+    engine.detach()

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from dptrain.clipping import ClippingEngine, UnsupportedModelError, register_rule
+from dptrain.clipping.replay import ReplayRule
 from dptrain.clipping.rules import RULES, LinearRule
 from dptrain.privacy_engine import check_optimizer_matches
 
@@ -24,31 +25,43 @@ def test_batchnorm_is_refused():
         ClippingEngine(model, 1.0)
 
 
-class WithRawParameter(nn.Module):
+class WithRecurrentLayers(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
-        self.scale = nn.Parameter(torch.ones(4))
-        self.attn = nn.MultiheadAttention(4, 2)
+        self.gru = nn.GRU(4, 2)
+        self.lstm = nn.LSTM(4, 2, bias=False)
+        self.emb = nn.Embedding(10, 4, scale_grad_by_freq=True)
 
 
-def test_all_parameters_without_rule_are_listed_in_one_error():
+def test_all_blockers_are_listed_in_one_error():
     with refuses(
         "dptrain refuses to train this model: no per-example clipping rule for these trainable "
-        "parameters, by module type: WithRawParameter (1 module: <model>; parameter scale); "
-        "MultiheadAttention (1 module: attn; parameters in_proj_weight, in_proj_bias); "
-        "NonDynamicallyQuantizableLinear (1 module: attn.out_proj; parameters weight, bias). "
-        "Freeze them (requires_grad=False), replace the modules, or register a rule with "
-        "dptrain.clipping.register_rule."
+        "parameters, by module type: GRU (1 module: gru; parameters weight_ih_l0, weight_hh_l0, "
+        "bias_ih_l0, bias_hh_l0); LSTM (1 module: lstm; parameters weight_ih_l0, weight_hh_l0). "
+        "modules that cannot be clipped exactly: emb (Embedding): scale_grad_by_freq=True scales "
+        "gradients by counts over the whole batch. Freeze them (requires_grad=False), replace "
+        "the modules, or register a rule with dptrain.clipping.register_rule."
     ):
-        ClippingEngine(WithRawParameter(), 1.0)
+        ClippingEngine(WithRecurrentLayers(), 1.0)
+
+
+def test_refusals_fold_layer_indices_by_module_type():
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.GRU(2, 2, bias=False) for _ in range(3)])
+    with refuses(
+        "dptrain refuses to train this model: no per-example clipping rule for these trainable "
+        "parameters, by module type: GRU (3 modules: layers.*; parameters weight_ih_l0, "
+        "weight_hh_l0). Freeze them (requires_grad=False), replace the modules, or register a "
+        "rule with dptrain.clipping.register_rule."
+    ):
+        ClippingEngine(model, 1.0)
 
 
 def test_frozen_parameters_without_rule_are_fine():
-    model = WithRawParameter()
-    model.scale.requires_grad_(False)
-    for p in model.attn.parameters():
-        p.requires_grad_(False)
+    model = WithRecurrentLayers()
+    for m in (model.gru, model.lstm, model.emb):
+        m.requires_grad_(False)
     ClippingEngine(model, 1.0).detach()
 
 
@@ -63,18 +76,19 @@ def test_embedding_scaled_by_batch_frequency_is_refused():
         ClippingEngine(model, 1.0)
 
 
-def test_subclass_needs_its_own_rule():
-    class MyLinear(nn.Linear):
+def test_subclass_without_its_own_rule_is_replayed_not_given_its_parents():
+    class MyLinear(nn.Linear):  # a subclass may change forward: the parent's rule may not fit
         pass
 
     model = nn.Sequential(MyLinear(3, 2))
-    with pytest.raises(
-        UnsupportedModelError, match=r"MyLinear \(1 module: 0; parameters weight, bias\)"
-    ):
-        ClippingEngine(model, 1.0)
+    engine = ClippingEngine(model, 1.0)
+    assert isinstance(engine._uses[model[0]].rule, ReplayRule)
+    engine.detach()
     register_rule(MyLinear, LinearRule())
     try:
-        ClippingEngine(model, 1.0).detach()
+        engine = ClippingEngine(model, 1.0)
+        assert isinstance(engine._uses[model[0]].rule, LinearRule)
+        engine.detach()
     finally:
         del RULES[MyLinear]
 
@@ -186,7 +200,8 @@ def test_parameter_used_outside_its_module_is_refused():
     engine = ClippingEngine(model, 1.0)
     with refuses(
         "dptrain refuses to train this model: parameters used outside the forward of the module "
-        "that owns them: fc.bias (in AddBackward0). Their gradient through that use would escape "
+        "that owns them: fc.bias (Linear, in AddBackward0). Their gradient through that use would "
+        "escape "
         "per-example clipping. Move the computation into a module the engine clips (e.g. an "
         "nn.Linear), or register a rule for the module that uses them."
     ):

@@ -1,5 +1,6 @@
 """Per-example clipping: layer rules, phantom clipping, the engine, the oracle."""
 
+from dptrain.clipping.conv_rules import ConvRule, GroupNormRule
 from dptrain.clipping.engine import (
     CLIPPING_MODES,
     NORM_METHODS,
@@ -32,7 +33,9 @@ __all__ = [
     "ClipStats",
     "ClippingEngine",
     "Conv1DRule",
+    "ConvRule",
     "EmbeddingRule",
+    "GroupNormRule",
     "LayerRule",
     "LinearRule",
     "NormLayerRule",

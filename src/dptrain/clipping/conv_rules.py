@@ -1,12 +1,9 @@
 """Per-example clipping rules for convolutions (``nn.Conv1d/2d/3d``) and ``nn.GroupNorm``.
 
-Status: tested against the batch-size-1 oracle rule by rule, but NOT yet imported by
-``dptrain.clipping``: the engine does not pass ``raw_layout`` gradients yet, so these
-types are still refused by name (importing this module registers the rules; the
-engine's shape check and self-check would then refuse, not misclip).
+Registered for the exact types by importing this module (``dptrain.clipping`` does).
 
-Engine interface these rules need (``raw_layout``)
----------------------------------------------------
+How the engine passes (a, g) to them (``raw_layout``)
+----------------------------------------------------
 Both rules set the class attribute ``raw_layout = True``. For such a rule the
 engine must NOT reshape the output gradient to ``(B, T, -1)`` (a conv output is
 channels-first, so that reshape would mix channels and positions). Precisely:
@@ -33,10 +30,10 @@ scaled inputs, no unfold; except float32 on CUDA, see there).
 
 Handling several calls one at a time with the raw methods is exact for
 ``per_example`` and ``clipped_sum`` (sum the results over calls) but NOT for
-``norms_sq`` (||sum_c grad_c||^2 != sum_c ||grad_c||^2). The engine should test ``getattr(rule, "raw_layout", False)`` and, for such rules,
-(1) skip its ``g.reshape(b, a.shape[1], -1)``, (2) never concatenate raw (a, g)
-along dim 1 (that is channels), (3) not use the ``(b * k, ...)`` block reshape of
-``a`` (a must have the B examples along dim 0).
+``norms_sq`` (||sum_c grad_c||^2 != sum_c ||grad_c||^2). So the engine keeps a
+single call raw, never concatenates raw records along dim 1 (channels), unfolds
+and concatenates several calls and reads them through :meth:`RawLayoutRule.unfolded_view`,
+and refuses the ``(b * k, ...)`` block layout for these rules.
 
 Conv math: after padding (any ``padding_mode``, and ``'same'``'s asymmetric
 padding, are applied with ``F.pad``: a fixed linear map of each example's input,
@@ -120,6 +117,10 @@ class RawLayoutRule(LayerRule):
     def ghost_is_cheaper_unfolded(self, module: nn.Module, A: Tensor, G: Tensor) -> bool:
         return self.norm_choice == "ghost"
 
+    def unfolded_view(self) -> LayerRule:
+        """This rule reading already unfolded (A, G) records (several calls concatenated)."""
+        return _Unfolded(self)
+
     def per_example(self, module, a, g):
         return self.per_example_unfolded(module, *self.unfold(module, a, g))
 
@@ -131,6 +132,28 @@ class RawLayoutRule(LayerRule):
 
     def ghost_is_cheaper(self, module, a, g):
         return self.ghost_is_cheaper_unfolded(module, *self.unfold(module, a, g))
+
+
+class _Unfolded(LayerRule):
+    """A raw-layout rule's ``*_unfolded`` methods under the ordinary rule signature."""
+
+    def __init__(self, rule: RawLayoutRule):
+        self.rule = rule
+        self.param_names = rule.param_names
+        self.norm_choice = rule.norm_choice
+        self.float32_inside = rule.float32_inside
+
+    def per_example(self, module, a, g):
+        return self.rule.per_example_unfolded(module, a, g)
+
+    def norms_sq(self, module, a, g, ghost):
+        return self.rule.norms_sq_unfolded(module, a, g, ghost)
+
+    def clipped_sum(self, module, a, g, factors):
+        return self.rule.clipped_sum_unfolded(module, a, g, factors)
+
+    def ghost_is_cheaper(self, module, a, g):
+        return self.rule.ghost_is_cheaper_unfolded(module, a, g)
 
 
 class ConvRule(RawLayoutRule):

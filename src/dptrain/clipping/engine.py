@@ -45,14 +45,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from dptrain._checks import check_positive
 from dptrain.clipping import self_check
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
 from dptrain.clipping.graph_check import grad_node, interior, parameter_uses
-from dptrain.clipping.layout import example_layout, layout_pattern
+from dptrain.clipping.layout import ROWS, example_layout, layout_pattern
 from dptrain.clipping.phantom import phantom_cross_term
+from dptrain.clipping.replay import ReplayRule, _param
 from dptrain.clipping.rules import (
     EmbeddingRule,
     LayerRule,
@@ -122,6 +123,10 @@ class _Call:
     """Graph nodes of the call's tensor inputs: where the module's own operations end."""
     expanded_to: int | None = None
     """The batch size a shared table's output was expanded to in the forward, or None."""
+    batch_dim: int = 0
+    """The dimension of the output that holds the examples (1 for a time-first module)."""
+    inputs: tuple | None = None
+    """(args, kwargs), detached, for a rule that replays the call (replay.py)."""
 
 
 @dataclass(eq=False)  # identity: a _Use is a dict key
@@ -132,6 +137,8 @@ class _Use:
     module: nn.Module
     rule: LayerRule
     calls: list[_Call] = field(default_factory=list)
+    unrecorded: str | None = None
+    """Why a forward call could not be recorded (then its parameters' uses are refused)."""
 
 
 class ClippingEngine:
@@ -188,6 +195,11 @@ class ClippingEngine:
         # (module, call index) of shared tables seen where their length differed from the
         # batch size: such a call stays a shared table when a later chunk's size coincides.
         self._shared_calls: set[tuple[str, int]] = set()
+        # Rules that read this backward's records differently from the module's rule: the
+        # unfolded view of a raw-layout rule called several times (see _records).
+        self._views: dict[_Use, LayerRule] = {}
+        # True while a replaying rule re-runs modules: those forwards are not new calls.
+        self._replaying = False
         # Layout patterns already checked exactly (self_check), per (module, call index).
         self._verified: set[tuple] = set()
         self.self_checks = 0
@@ -217,23 +229,49 @@ class ClippingEngine:
             )
         uses: dict[nn.Module, _Use] = {}
         covered: set[int] = set()
+        in_subtree: set[int] = set()  # modules whose parameters an ancestor's rule covers
         reasons = []
-        for name, module in model.named_modules():
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if not own:
-                continue
-            rule = find_rule(module)
-            if rule is None:
-                continue
+
+        def add(name: str, module: nn.Module, rule: LayerRule) -> None:
             for attr in rule.param_names:
-                p = getattr(module, attr, None)
+                p = _param(module, attr)
                 if isinstance(p, nn.Parameter) and p.requires_grad:
                     covered.add(id(p))  # reported below if the module is refused
             why = rule.check(module)
             if why is not None:
                 reasons.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
+            else:
+                uses[module] = _Use(name, module, rule)
+
+        # Written rules first (parents before children, so a rule that covers its
+        # submodules' parameters is seen before them) ...
+        for name, module in model.named_modules():
+            if id(module) in in_subtree:
                 continue
-            uses[module] = _Use(name, module, rule)
+            rule = find_rule(module)
+            if rule is None:
+                continue
+            if getattr(rule, "replays", False):
+                rule = rule.for_module(module)
+            if getattr(rule, "claims_subtree", False):
+                in_subtree.update(id(m) for m in module.modules() if m is not module)
+            if any(p.requires_grad for p in module.parameters(recurse=False)) or (
+                getattr(rule, "claims_subtree", False) and rule.param_names
+            ):
+                add(name, module, rule)
+        # ... then the generic rule (replay.py) for trainable parameters no rule covers,
+        # guarded like any rule by the exact check. A parameter tied to one a written
+        # rule covers (BERT's prediction-head bias, the decoder's) is not replayed.
+        for name, module in model.named_modules():
+            if id(module) in in_subtree or module in uses or not ReplayRule.applies_to(module):
+                continue
+            left = tuple(
+                n
+                for n, p in module.named_parameters(recurse=False)
+                if p.requires_grad and id(p) not in covered
+            )
+            if left:
+                add(name, module, ReplayRule(left))
         missing = _grouped_by_type(
             model,
             [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered],
@@ -261,7 +299,7 @@ class ClippingEngine:
         names: dict[int, str] = {}
         for use in self._uses.values():
             for attr in use.rule.param_names:
-                p = getattr(use.module, attr, None)
+                p = _param(use.module, attr)
                 if isinstance(p, nn.Parameter) and p.requires_grad:
                     by_param[id(p)].append((use, attr))
                     names.setdefault(id(p), f"{use.name}.{attr}" if use.name else attr)
@@ -310,7 +348,12 @@ class ClippingEngine:
         def hook(module, args, kwargs, output):
             # A forward re-run inside a backward (activation checkpointing recomputes a
             # block's activations) is not a new call: recording it would count it twice.
-            if _in_backward() or not torch.is_grad_enabled() or not isinstance(output, Tensor):
+            if _in_backward() or self._replaying or not torch.is_grad_enabled():
+                return None
+            replays = getattr(use.rule, "replays", False)
+            if replays:
+                return self._record_replayed(use, module, args, kwargs, output)
+            if not isinstance(output, Tensor):
                 return None
             if not output.requires_grad:
                 # Its parameters were frozen after the engine was built and its input
@@ -383,6 +426,35 @@ class ClippingEngine:
 
         return hook
 
+    def _record_replayed(self, use: _Use, module, args, kwargs, output) -> None:
+        """Record a call of a module whose rule replays it (replay.py): all its inputs."""
+        y = use.rule.output_of(module, output)
+        if y is None:
+            use.unrecorded = (
+                f"it has no written rule and returns a {type(output).__name__}, not a tensor, "
+                "so the generic rule cannot replay it"
+            )
+            return
+        if not y.requires_grad:
+            return
+        try:
+            bd = use.rule.batch_dim(module, args, kwargs)
+        except ValueError as e:
+            raise UnsupportedModelError(f"module {use.name} ({type(module).__name__}): {e}") from e
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        a = inputs[0] if inputs else y.new_zeros(y.shape[bd])
+        use.calls.append(
+            _Call(
+                index=len(use.calls),
+                a=a.detach().movedim(bd, 0) if a.dim() > bd else a.detach(),
+                edge=get_gradient_edge(y),
+                out_shape=tuple(y.movedim(bd, 0).shape),
+                in_nodes=[grad_node(t) for t in inputs],
+                batch_dim=bd,
+                inputs=_detached((args, kwargs)),
+            )
+        )
+
     def detach(self) -> None:
         """Remove the hooks; the model is then an ordinary model again."""
         for h in self._handles:
@@ -424,6 +496,7 @@ class ClippingEngine:
             grads = torch.autograd.grad(
                 losses.sum(), edges, allow_unused=True, retain_graph=check or self.mode == "ghost"
             )
+            grads = _examples_first([c for u in active for c in live[u]], grads)
             records = self._records(active, live, grads, b)
             if check:
                 self_check.run(self, losses, active, live, edges, grads, records)
@@ -472,6 +545,16 @@ class ClippingEngine:
                         "exactly the examples of the last forward pass"
                     )
                 layout = example_layout(tuple(call.a.shape), call.out_shape, b, call.expanded_to)
+                rows_only = getattr(use.rule, "raw_layout", False) or getattr(
+                    use.rule, "replays", False
+                )
+                if layout not in (None, ROWS) and rows_only:
+                    raise UnsupportedModelError(
+                        f"module {use.name} ({type(use.module).__name__}) was called on an input "
+                        f"of shape {tuple(call.a.shape)} for {b} per-example losses: its rule "
+                        "needs one input row per example (B, C, *spatial); pass the examples "
+                        "along the first dimension"
+                    )
                 if layout is None:
                     raise UnsupportedModelError(
                         f"module {use.name} ({type(use.module).__name__}) produced an output of "
@@ -485,6 +568,7 @@ class ClippingEngine:
                         use.name,
                         k,
                         *layout_pattern(layout, tuple(call.a.shape), call.out_shape, b),
+                        _inputs_pattern(call.inputs, b),
                     )
                     if pattern not in self._verified:
                         new.add(pattern)
@@ -523,7 +607,7 @@ class ClippingEngine:
                 if id(node) not in allowed:
                     outside.setdefault(name, type(node).__name__)
         if outside:
-            where = ", ".join(f"{name} (in {node})" for name, node in outside.items())
+            where = ", ".join(self._describe_use(name, node) for name, node in outside.items())
             raise UnsupportedModelError(
                 "dptrain refuses to train this model: parameters used outside the forward "
                 f"of the module that owns them: {where}. Their gradient through that use would "
@@ -531,6 +615,11 @@ class ClippingEngine:
                 "clips (e.g. an nn.Linear), or register a rule for the module that uses them."
             )
         return live
+
+    def _describe_use(self, name: str, node: str) -> str:
+        use = self._groups[name][0][0]
+        why = f"; {use.unrecorded}" if use.unrecorded else ""
+        return f"{name} ({type(use.module).__name__}, in {node}{why})"
 
     # -- p.grad is the engine's alone until the step --------------------------------------
 
@@ -583,8 +672,23 @@ class ClippingEngine:
     ) -> dict[_Use, tuple[Tensor, Tensor]]:
         """(a, g) per module, example rows first, calls concatenated along tokens (float32/64)."""
         records = {}
+        self._views = {}
         i = 0
         for use in active:
+            if getattr(use.rule, "replays", False):
+                calls = [(*c.inputs, grads[i + j]) for j, c in enumerate(live[use])]
+                i += len(calls)
+                calls = [c for c in calls if c[2] is not None]
+                if calls:
+                    self._replaying = True
+                    try:
+                        flat = use.rule.replay(use.module, calls, b)
+                    finally:
+                        self._replaying = False
+                    flat = upcast(flat)
+                    records[use] = (flat[:, None, :], flat.new_ones(b, 1, 1))
+                continue
+            raw = getattr(use.rule, "raw_layout", False)
             a_parts, g_parts = [], []
             for call in live[use]:
                 g = grads[i]
@@ -592,6 +696,10 @@ class ClippingEngine:
                 if g is None:  # this call did not reach the loss
                     continue
                 a = call.a
+                if raw:  # channels-first: (B, C, *spatial) as the module saw it
+                    a_parts.append(upcast(a))
+                    g_parts.append(upcast(g))
+                    continue
                 if a.shape[0] != b:  # blocks: (b * k, ...) rows, example-major
                     a = a.reshape(b, -1, *a.shape[1:])
                 a = use.rule.prepare(use.module, a)
@@ -599,21 +707,33 @@ class ClippingEngine:
                 g_parts.append(upcast(g).reshape(b, a.shape[1], -1))
             if len(a_parts) == 1:  # the usual case: no copy
                 records[use] = (a_parts[0], g_parts[0])
+            elif a_parts and raw:
+                # Dim 1 of a raw record is channels: unfold each call to (B, L, d) first,
+                # then positions concatenate as tokens do (conv_rules, "Several calls").
+                pairs = zip(a_parts, g_parts, strict=True)
+                unfolded = [use.rule.unfold(use.module, a, g) for a, g in pairs]
+                records[use] = tuple(torch.cat(parts, 1) for parts in zip(*unfolded, strict=True))
+                self._views[use] = use.rule.unfolded_view()
             elif a_parts:
                 records[use] = (torch.cat(a_parts, 1), torch.cat(g_parts, 1))
         return records
 
+    def _rule(self, use: _Use) -> LayerRule:
+        """The rule that reads ``use``'s record: its own, or an unfolded view of it."""
+        return self._views.get(use, use.rule)
+
     def _ghost(self, use: _Use, a: Tensor, g: Tensor) -> bool:
-        if use.rule.norm_choice != "either":
-            return use.rule.norm_choice == "ghost"
+        rule = self._rule(use)
+        if rule.norm_choice != "either":
+            return rule.norm_choice == "ghost"
         if self.norm_method != "auto":
             return self.norm_method == "ghost"
-        return use.rule.ghost_is_cheaper(use.module, a, g)
+        return rule.ghost_is_cheaper(use.module, a, g)
 
     def _module_norms_sq(self, use: _Use, a: Tensor, g: Tensor) -> dict[str, Tensor]:
         if self._ghost(use, a, g):
-            return use.rule.norms_sq(use.module, a, g, True)
-        per_example = use.rule.per_example(use.module, a, g)
+            return self._rule(use).norms_sq(use.module, a, g, True)
+        per_example = self._rule(use).per_example(use.module, a, g)
         if self.mode == "book_keeping":  # reused for the clipped sum
             self._per_example[use] = per_example
         return {k: v.flatten(1).pow(2).sum(1) for k, v in per_example.items()}
@@ -660,13 +780,12 @@ class ClippingEngine:
             total = total + 2 * phantom_cross_term(x, g_in, h, g_out)
         return total
 
-    @staticmethod
-    def _shared_per_example(present, records) -> Tensor:
+    def _shared_per_example(self, present, records) -> Tensor:
         """Sum over uses of the per-example gradients of one shared parameter."""
         total = None
         for u, attr in present:
             a, g = records[u]
-            part = u.rule.per_example(u.module, a, g)[attr]
+            part = self._rule(u).per_example(u.module, a, g)[attr]
             total = part if total is None else total + part
         return total
 
@@ -708,7 +827,7 @@ class ClippingEngine:
                     else:
                         if u not in sums:
                             a, g = records[u]
-                            sums[u] = u.rule.clipped_sum(u.module, a, g, c)
+                            sums[u] = self._rule(u).clipped_sum(u.module, a, g, c)
                         part = sums[u][attr]
                     grad = part if grad is None else grad + part
             else:
@@ -733,7 +852,7 @@ class ClippingEngine:
     def parameter(self, name: str) -> nn.Parameter:
         """The clipped parameter called ``name`` (see :attr:`parameter_names`)."""
         module, attr = self._groups[name][0]
-        return getattr(module.module, attr)
+        return _param(module.module, attr)
 
 
 def _is_tied(uses: list[tuple[_Use, str]]) -> bool:
@@ -745,6 +864,27 @@ def _is_tied(uses: list[tuple[_Use, str]]) -> bool:
         and all(isinstance(u.rule, EmbeddingRule) or type(u.rule) is LinearRule for u, _ in uses)
         and any(isinstance(u.rule, EmbeddingRule) for u, _ in uses)
     )
+
+
+def _examples_first(calls: list[_Call], grads: tuple) -> tuple:
+    """Output gradients with each call's examples along dimension 0."""
+    return tuple(
+        g.movedim(c.batch_dim, 0) if g is not None and c.batch_dim else g
+        for c, g in zip(calls, grads, strict=True)
+    )
+
+
+def _detached(tree):
+    """``tree`` with every tensor detached (a replay's inputs, without their graph)."""
+    return tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, tree)
+
+
+def _inputs_pattern(inputs: tuple | None, b: int) -> tuple:
+    """Which dimensions of a replayed call's tensor inputs equal b (part of its pattern)."""
+    if inputs is None:
+        return ()
+    flat = tree_flatten(inputs)[0]
+    return tuple(tuple(s == b for s in t.shape) for t in flat if isinstance(t, Tensor))
 
 
 def _lookup_node(output: Tensor, weight: Tensor, stop_nodes: list):

@@ -69,7 +69,7 @@ def check_weights(b: int, dtype: torch.dtype, device: torch.device, seed: int = 
 
 def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, records) -> None:
     """Raise :class:`~dptrain.clipping.UnsupportedModelError` if the chunk fails the check."""
-    from dptrain.clipping.engine import UnsupportedModelError
+    from dptrain.clipping.engine import UnsupportedModelError, _examples_first
 
     b = losses.shape[0]
     w = check_weights(b, losses.dtype, losses.device, seed=engine.self_checks)
@@ -82,6 +82,7 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
         retain_graph=engine.mode == "ghost",
     )
     weighted_edges, weighted_params = out[: len(edges)], out[len(edges) :]
+    weighted_edges = _examples_first([c for u in active for c in live[u]], weighted_edges)
 
     i = 0
     for use in active:

@@ -1,0 +1,196 @@
+"""Per-example gradients by replaying a module on one example at a time.
+
+The generic rule for a module type without a written rule (a raw
+``nn.Parameter`` such as ViT's class token and position table, a custom layer),
+and the rule for ``nn.MultiheadAttention``, whose projections are used through
+``F.multi_head_attention_forward`` rather than called as modules.
+
+Example i's gradient of the module's parameters is
+
+    grad_i = d <f(x_i), g_i> / d theta,
+
+where x_i is example i's slice of the recorded inputs and g_i row i of the
+gradient of sum_j L_j with respect to the module's output (which carries example
+i's loss alone: the engine's rows check). f is linear in g_i, so this is exact
+whenever the module treats examples independently; where it does not (batch
+statistics, dropout that draws another mask on replay) the replay differs from
+the batched call and the engine's completeness check refuses the model, naming
+it. Replays run the module B times at batch size 1 (a loop, not ``torch.func.vmap``:
+modules written for eager mode, HF's included, use operations vmap cannot batch),
+so a written rule is worth having where the module is hot.
+
+The record handed to the engine is the per-example gradients themselves,
+flattened: ``a`` (B, 1, P) and ``g`` (B, 1, 1) of ones, so grad_i = g_i a_i as
+for a linear layer over one token, and the engine's norms and sums need no
+special case.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dptrain.clipping.rules import RULES, LayerRule
+
+__all__ = ["MultiheadAttentionRule", "ReplayRule"]
+
+
+def _param(module: nn.Module, name: str) -> nn.Parameter | None:
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return None
+
+
+class ReplayRule(LayerRule):
+    """Per-example gradients of ``param_names`` by batch-size-1 replays of the module.
+
+    The instance registered in :data:`~dptrain.clipping.rules.RULES` is a
+    template; the engine binds one per module with :meth:`for_module`.
+    """
+
+    replays = True
+    norm_choice = "instantiate"
+    #: Whether the rule covers its submodules' parameters too (they are used by the
+    #: module's own code, not by calling the submodules).
+    claims_subtree = False
+
+    def __init__(self, param_names: tuple[str, ...] = ()):
+        self.param_names = tuple(param_names)
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> ReplayRule:
+        """A rule for ``module``'s own trainable parameters."""
+        names = tuple(n for n, p in module.named_parameters(recurse=False) if p.requires_grad)
+        return cls(names)
+
+    @staticmethod
+    def applies_to(module: nn.Module) -> bool:
+        """Whether the generic rule may be tried on a module without a written rule.
+
+        Not on torch's recurrent layers: they return a tuple and run time-first by
+        default (dptrain's DPGRU/DPLSTM have rules).
+        """
+        return not isinstance(module, nn.RNNBase)
+
+    # -- what the engine calls in the forward ----------------------------------------
+
+    def batch_dim(self, module: nn.Module, args: tuple, kwargs: dict) -> int:
+        """The dimension of the module's first input and output that holds the examples."""
+        return 0
+
+    def output_of(self, module: nn.Module, output: Any) -> Tensor | None:
+        """The output tensor whose gradient rows are the examples' (None: not a tensor)."""
+        return output if isinstance(output, Tensor) else None
+
+    # -- replay ---------------------------------------------------------------------
+
+    def example_inputs(
+        self, module: nn.Module, args: tuple, kwargs: dict, i: int, b: int
+    ) -> tuple[tuple, dict]:
+        """Example i's inputs: tensors whose first dimension is b are sliced, others shared.
+
+        Which inputs are sliced is part of the layout pattern the engine checks
+        exactly the first time it is seen (a shared table of length b would be
+        sliced wrongly, and the completeness check would refuse it).
+        """
+
+        def one(v):
+            return v[i : i + 1] if isinstance(v, Tensor) and v.dim() and v.shape[0] == b else v
+
+        return tuple(one(v) for v in args), {k: one(v) for k, v in kwargs.items()}
+
+    def replay(self, module: nn.Module, calls: list[tuple[tuple, dict, Tensor]], b: int) -> Tensor:
+        """(B, P) per-example gradients of ``param_names``, flattened, summed over calls.
+
+        ``calls``: (args, kwargs, g) per recorded call, with g (B, ...) examples first.
+        """
+        params = [_param(module, n) for n in self.param_names]
+        sizes = [p.numel() for p in params]
+        out = torch.zeros(b, sum(sizes), dtype=params[0].dtype, device=params[0].device)
+        for args, kwargs, g in calls:
+            bd = self.batch_dim(module, args, kwargs)
+            for i in range(b):
+                args_i, kwargs_i = self.example_inputs(module, args, kwargs, i, b)
+                with torch.enable_grad():
+                    y = self.output_of(module, module(*args_i, **kwargs_i))
+                    g_i = g[i : i + 1].movedim(0, bd).to(y.dtype)
+                    grads = torch.autograd.grad(y, params, g_i, allow_unused=True)
+                out[i] += torch.cat(
+                    [
+                        (torch.zeros_like(p) if d is None else d).reshape(-1)
+                        for p, d in zip(params, grads, strict=True)
+                    ]
+                ).to(out.dtype)
+        return out
+
+    # -- the rule interface on the flattened record ---------------------------------
+
+    def prepare(self, module: nn.Module, a: Tensor) -> Tensor:
+        return a
+
+    def per_example(self, module: nn.Module, a: Tensor, g: Tensor) -> dict[str, Tensor]:
+        flat = a[:, 0] * g[:, 0]
+        out, start = {}, 0
+        for name in self.param_names:
+            p = _param(module, name)
+            out[name] = flat[:, start : start + p.numel()].reshape(-1, *p.shape)
+            start += p.numel()
+        return out
+
+    def clipped_sum(
+        self, module: nn.Module, a: Tensor, g: Tensor, factors: Tensor
+    ) -> dict[str, Tensor]:
+        return {
+            k: torch.einsum("b,b...->...", factors.to(v.dtype), v)
+            for k, v in self.per_example(module, a, g).items()
+        }
+
+
+class MultiheadAttentionRule(ReplayRule):
+    """``nn.MultiheadAttention``: its input and output projections (``out_proj`` is used
+    through ``F.multi_head_attention_forward``, never called) by replay.
+
+    The examples' dimension is known from ``batch_first``, not guessed from sizes;
+    ``key_padding_mask`` (B, S) and a per-example ``attn_mask`` (B * heads, L, S)
+    are sliced with their example's rows, a 2-D ``attn_mask`` is shared.
+    """
+
+    claims_subtree = True
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> ReplayRule:
+        names = tuple(n for n, p in module.named_parameters() if p.requires_grad)
+        return cls(names)
+
+    def batch_dim(self, module, args, kwargs):
+        query = args[0] if args else kwargs["query"]
+        if query.dim() != 3:
+            raise ValueError(
+                f"nn.MultiheadAttention called on an unbatched query of shape "
+                f"{tuple(query.shape)}: per-example clipping needs a batch dimension"
+            )
+        return 0 if module.batch_first else 1
+
+    def output_of(self, module, output):
+        return output[0]
+
+    def example_inputs(self, module, args, kwargs, i, b):
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        bd = self.batch_dim(module, args, kwargs)
+        new = dict(bound.arguments)
+        for name in ("query", "key", "value"):
+            new[name] = new[name].narrow(bd, i, 1)
+        if new.get("key_padding_mask") is not None:
+            new["key_padding_mask"] = new["key_padding_mask"][i : i + 1]
+        mask = new.get("attn_mask")
+        if mask is not None and mask.dim() == 3:
+            h = module.num_heads
+            new["attn_mask"] = mask[i * h : (i + 1) * h]
+        return (), new
+
+
+RULES[nn.MultiheadAttention] = MultiheadAttentionRule()

@@ -279,11 +279,21 @@ _DECODER: dict[str, Any] = dict(
 )
 
 
-def llama(tied: bool = False, seed: int = 0) -> ZooCase:
-    """Llama: RMSNorm, RoPE, GQA (4 query heads, 2 kv heads), SwiGLU MLP."""
-    config = transformers.LlamaConfig(**_DECODER, tie_word_embeddings=tied)
+def llama(tied: bool = False, seed: int = 0, **overrides: Any) -> ZooCase:
+    """Llama: RMSNorm, RoPE, GQA (4 query heads, 2 kv heads), SwiGLU MLP.
+
+    ``overrides``: further ``LlamaConfig`` fields, e.g. ``attention_bias=True, mlp_bias=True``.
+    """
+    config = transformers.LlamaConfig(**_DECODER, tie_word_embeddings=tied, **overrides)
     model = _build(transformers.LlamaForCausalLM, config, seed)
     return _finish("llama-tied" if tied else "llama", model, _causal_lm_batch(0), token_losses)
+
+
+def llama_classifier(seed: int = 0) -> ZooCase:
+    """Llama with a sequence-classification head (``score``, read at the last non-padding token)."""
+    config = transformers.LlamaConfig(**_DECODER, num_labels=_NUM_LABELS)
+    model = _build(transformers.LlamaForSequenceClassification, config, seed)
+    return _finish("llama-classifier", model, _classifier_batch(0), class_losses)
 
 
 def qwen2(seed: int = 0) -> ZooCase:

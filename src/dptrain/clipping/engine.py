@@ -521,7 +521,11 @@ class ClippingEngine:
             )
         if self.mode == "ghost":
             self.clear()
-            (losses * factors.to(losses.dtype).detach()).sum().backward()
+            # inputs=: only the clipped parameters; one made trainable after the engine was
+            # built would get sum_i c_i g_i with c_i computed without it (not clipped).
+            (losses * factors.to(losses.dtype).detach()).sum().backward(
+                inputs=self.parameters()
+            )
         else:
             self._book_keeping(records, factors)
             self.clear()
@@ -647,16 +651,20 @@ class ClippingEngine:
     def check_gradients(self, params: list[nn.Parameter] | None = None) -> None:
         """Before a step: every ``p.grad`` is the engine's clipped sum, untouched since.
 
-        ``params``: the optimizer's parameters; each trainable one must be clipped by
-        this engine (one made trainable after the engine was built is not). Raises
+        ``params``: the optimizer's parameters; each trainable one, and each trainable
+        parameter of the model, must be clipped by this engine (one made trainable after
+        the engine was built is not). Raises
         :class:`UnsupportedModelError` otherwise (the DP optimizer calls this).
         """
         mine = {id(p) for p in self.parameters()}
         by_id = {id(p): n for n, p in self.model.named_parameters()}
+        # The optimizer's and the model's: one the optimizer does not hold still leaves
+        # the step with a gradient anything else may read (a second optimizer, a logger).
+        candidates = {id(p): p for p in [*(params or []), *self.model.parameters()]}
         strays = [
-            by_id.get(id(p), f"tensor of shape {tuple(p.shape)}")
-            for p in params or []
-            if p.requires_grad and id(p) not in mine
+            by_id.get(i, f"tensor of shape {tuple(p.shape)}")
+            for i, p in candidates.items()
+            if p.requires_grad and i not in mine
         ]
         if strays:
             raise UnsupportedModelError(

@@ -291,11 +291,6 @@ class NormalisedInput(nn.Module):
         return self.fc(x).squeeze(-1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: mixing before the first trainable layer changes the recorded inputs "
-    "but not the row structure of the output gradients; see docs/engine.md",
-)
 def test_batch_statistics_before_any_trainable_layer():
     model = NormalisedInput().double()
     # The record enters the others' inputs through the batch mean and std.

@@ -48,7 +48,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dptrain._checks import check_positive
-from dptrain.clipping import self_check
+from dptrain.clipping import independence, self_check
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
 from dptrain.clipping.graph_check import grad_node, interior, parameter_uses
 from dptrain.clipping.layout import ROWS, example_layout, layout_pattern
@@ -200,6 +200,10 @@ class ClippingEngine:
         self._views: dict[_Use, LayerRule] = {}
         # True while a replaying rule re-runs modules: those forwards are not new calls.
         self._replaying = False
+        # The root call's inputs (detached) and, during an independence check's re-run, the
+        # first input of each clipped module's calls (independence.py).
+        self._root_inputs: tuple | None = None
+        self._probe: dict[_Use, list[Tensor]] | None = None
         # Layout patterns already checked exactly (self_check), per (module, call index).
         self._verified: set[tuple] = set()
         self.self_checks = 0
@@ -340,15 +344,27 @@ class ClippingEngine:
     # -- hooks ----------------------------------------------------------------------------
 
     def _root_pre_hook(self, module, args, kwargs):
-        if _in_backward():  # activation checkpointing re-runs a forward inside the backward
+        if _in_backward() or self._probe is not None:
+            # activation checkpointing re-runs a forward inside the backward; the
+            # independence check re-runs the model (independence.py)
             return
         self._batch_shape = _batch_shape_of(args, kwargs)
+        self._root_inputs = _detached((args, kwargs))
 
     def _make_hook(self, use: _Use):
         def hook(module, args, kwargs, output):
             # A forward re-run inside a backward (activation checkpointing recomputes a
             # block's activations) is not a new call: recording it would count it twice.
-            if _in_backward() or self._replaying or not torch.is_grad_enabled():
+            if _in_backward() or self._replaying:
+                return None
+            if self._probe is not None:  # a re-run for the independence check: inputs only
+                first = next(
+                    (t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)), None
+                )
+                if first is not None:
+                    self._probe.setdefault(use, []).append(first.detach())
+                return None
+            if not torch.is_grad_enabled():
                 return None
             replays = getattr(use.rule, "replays", False)
             if replays:
@@ -455,6 +471,17 @@ class ClippingEngine:
             )
         )
 
+    def _probe_inputs(self, args: tuple, kwargs: dict) -> dict[_Use, list[Tensor]]:
+        """Run the model on (args, kwargs) without gradients; each clipped module's first
+        input per call. What the last forward recorded is left as it was."""
+        self._probe = {}
+        try:
+            with torch.no_grad():
+                self.model(*args, **kwargs)
+            return self._probe
+        finally:
+            self._probe = None
+
     def detach(self) -> None:
         """Remove the hooks; the model is then an ordinary model again."""
         for h in self._handles:
@@ -500,6 +527,7 @@ class ClippingEngine:
             records = self._records(active, live, grads, b)
             if check:
                 self_check.run(self, losses, active, live, edges, grads, records)
+                independence.run(self, active, b)
                 self._verified |= new_patterns
                 self.self_checks += 1
         except BaseException:
@@ -523,9 +551,7 @@ class ClippingEngine:
             self.clear()
             # inputs=: only the clipped parameters; one made trainable after the engine was
             # built would get sum_i c_i g_i with c_i computed without it (not clipped).
-            (losses * factors.to(losses.dtype).detach()).sum().backward(
-                inputs=self.parameters()
-            )
+            (losses * factors.to(losses.dtype).detach()).sum().backward(inputs=self.parameters())
         else:
             self._book_keeping(records, factors)
             self.clear()

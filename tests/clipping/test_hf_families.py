@@ -37,6 +37,7 @@ EXACT = [
     "gpt2",
     "bert",
     "vit",
+    "mixtral",
 ]
 
 #: Families whose forward runs parts in float32 even in a float64 model (the eager softmax,
@@ -48,12 +49,10 @@ FLOAT32_INSIDE = set(EXACT) - {"bart", "gpt2", "bert"}  # T5: T5LayerNorm's vari
 #: included, is float32-accurate in either mode.
 GEMMA = {"gemma", "gemma2", "gemma3"}
 
-#: Still refused (at construction or at the first backward), with what the refusal names
-#: (see docs/engine.md): Mixtral's router returns a tuple, which the generic rule cannot
-#: replay; DeBERTa-v2 reads its relative-position table through ``.weight``, shared by all
-#: examples, and projects it with the attention's query and key layers.
+#: Still refused (at the first backward), with what the refusal names (see docs/engine.md):
+#: DeBERTa-v2 reads its relative-position table through ``.weight``, shared by all examples,
+#: and projects it with the attention's query and key layers.
 REFUSED = {
-    "mixtral": r"model\.layers\.0\.mlp\.gate\.weight \(MixtralTopKRouter, in TBackward0; .* tuple",
     "deberta-v2": r"deberta\.encoder\.rel_embeddings\.weight \(Embedding, in",
 }
 
@@ -105,8 +104,10 @@ def test_family_matches_the_oracle(family, mode):
         B,
         mode=mode,
         tol=tol,
-        # key biases get a gradient that is zero in exact arithmetic: rounding noise
-        scale_floor=1e-4 if tol else None,
+        # key biases get a gradient that is zero in exact arithmetic: rounding noise, of
+        # the order of float32 rounding of the model's largest gradients (5.4 in ViT, whose
+        # key biases then come out at 1e-10)
+        scale_floor=(1e-3 if family == "vit" else 1e-4) if tol else None,
     )
 
 

@@ -369,7 +369,11 @@ class ClippingEngine:
             replays = getattr(use.rule, "replays", False)
             if replays:
                 return self._record_replayed(use, module, args, kwargs, output)
-            if not isinstance(output, Tensor):
+            full_output, output = output, use.rule.output_of(module, output)
+            if output is None:
+                use.unrecorded = (
+                    f"its rule found no output tensor in a {type(full_output).__name__}"
+                )
                 return None
             if not output.requires_grad:
                 # Its parameters were frozen after the engine was built and its input
@@ -575,9 +579,7 @@ class ClippingEngine:
                         "exactly the examples of the last forward pass"
                     )
                 layout = example_layout(tuple(call.a.shape), call.out_shape, b, call.expanded_to)
-                rows_only = getattr(use.rule, "raw_layout", False) or getattr(
-                    use.rule, "replays", False
-                )
+                rows_only = getattr(use.rule, "raw_layout", False)
                 if layout not in (None, ROWS) and rows_only:
                     raise UnsupportedModelError(
                         f"module {use.name} ({type(use.module).__name__}) was called on an input "

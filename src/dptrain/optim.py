@@ -57,9 +57,17 @@ class StepMetrics:
         return self.clipped_sum_norm / self.noise_norm if self.noise_norm > 0 else math.inf
 
 
-def _norm(t: Tensor) -> float:
-    """L2 norm, accumulated in at least float32."""
-    return float(torch.linalg.vector_norm(upcast(t)))
+def _norms(tensors: list[Tensor]) -> list[Tensor]:
+    """L2 norm of each tensor (at least float32), as tensors: no host sync."""
+    return list(torch._foreach_norm([upcast(t) for t in tensors])) if tensors else []
+
+
+def _total_norm(norms: list[Tensor]) -> float:
+    """sqrt(sum of squares) of per-tensor norms, read once."""
+    if not norms:
+        return 0.0
+    device = norms[0].device
+    return float(torch.stack([n.to(device, torch.float64) for n in norms]).pow(2).sum().sqrt())
 
 
 def _make_generator(seed: int | None, device: torch.device) -> tuple[torch.Generator, int]:
@@ -181,22 +189,24 @@ class DPOptimizer(torch.optim.Optimizer):
         """
         k = check_positive("loss_scale", loss_scale)
         std = self.noise_multiplier * self.max_grad_norm * k
-        signal_sq, noise_sq = 0.0, 0.0
-        for p in self.params():
-            if not p.requires_grad:
-                continue
+        params = [p for p in self.params() if p.requires_grad]
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        # The diagnostics stay tensors until the end: one host sync per step, not two per
+        # parameter (a GPU would otherwise stall on every parameter).
+        signal = _norms([p.grad.detach() for p in params])
+        noise_norms = []
+        for p in params:
             noise = torch.empty_like(p).normal_(0.0, std, generator=self._generator_for(p.device))
-            signal_sq += _norm(p.grad.detach()) ** 2
-            noise_sq += _norm(noise) ** 2
+            noise_norms.append(torch.linalg.vector_norm(upcast(noise)))
             p.grad.add_(noise).div_(k * self.expected_batch_size)
         return StepMetrics(
             step=self.steps_taken,
             sample_rate=self.sample_rate,
             noise_multiplier=self.noise_multiplier,
-            clipped_sum_norm=math.sqrt(signal_sq) / k,
-            noise_norm=math.sqrt(noise_sq) / k,
+            clipped_sum_norm=_total_norm(signal) / k,
+            noise_norm=_total_norm(noise_norms) / k,
         )
 
     def step(self, closure=None, loss_scale: float = 1.0) -> StepMetrics:  # type: ignore[override]

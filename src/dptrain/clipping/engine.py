@@ -60,7 +60,9 @@ from dptrain.clipping.rules import (
     LinearRule,
     embedding_ghost_norm,
     find_rule,
+    gram_cache,
     gram_inner,
+    weighted_sum,
 )
 
 __all__ = ["CLIPPING_MODES", "NORM_METHODS", "ClipStats", "ClippingEngine", "UnsupportedModelError"]
@@ -534,6 +536,8 @@ class ClippingEngine:
                 independence.run(self, active, b)
                 self._verified |= new_patterns
                 self.self_checks += 1
+            # the records hold what is needed; the output gradients go as records are freed
+            del grads, edges
         except BaseException:
             self.clear()
             raise
@@ -777,7 +781,23 @@ class ClippingEngine:
     def _norms_sq(self, records: dict[_Use, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
         """Parameter name -> (B,) squared per-example gradient norms."""
         self._per_example = {}
-        per_module = {use: self._module_norms_sq(use, a, g) for use, (a, g) in records.items()}
+        # A module whose every parameter is a tied weight (a tied head, the embedding) gets
+        # its norm from _tied_norm_sq alone: its own would be computed and discarded.
+        tied_only = {
+            u
+            for u in records
+            if all(
+                _is_tied(self._groups[n])
+                for n, uses in self._groups.items()
+                if any(v is u for v, _ in uses)
+            )
+        }
+        with gram_cache():
+            per_module = {
+                use: self._module_norms_sq(use, a, g)
+                for use, (a, g) in records.items()
+                if use not in tied_only
+            }
         out = {}
         for name, uses in self._groups.items():
             present = [(u, attr) for u, attr in uses if u in records]
@@ -805,12 +825,12 @@ class ClippingEngine:
         lins = [u for u, _ in present if not isinstance(u.rule, EmbeddingRule)]
         total = 0
         if embs:
-            x = torch.cat([records[u][0] for u in embs], 1)
-            g_in = torch.cat([u.rule._masked(u.module, *records[u]) for u in embs], 1)  # type: ignore[attr-defined]
+            x = _cat([records[u][0] for u in embs])
+            g_in = _cat([u.rule._masked(u.module, *records[u]) for u in embs])  # type: ignore[attr-defined]
             total = total + embedding_ghost_norm(x, g_in)
         if lins:
-            h = torch.cat([records[u][0] for u in lins], 1)
-            g_out = torch.cat([records[u][1] for u in lins], 1)
+            h = _cat([records[u][0] for u in lins])
+            g_out = _cat([records[u][1] for u in lins])  # (a copy of a 49,152-wide head: avoid)
             total = total + gram_inner(h, g_out)
         if embs and lins:
             total = total + 2 * phantom_cross_term(x, g_in, h, g_out)
@@ -847,8 +867,23 @@ class ClippingEngine:
 
     def weighted_sums(self, records, factor_of) -> dict[str, Tensor]:
         """{parameter name: sum_i c_i grad_i} from the stored (a, g); ``factor_of(name)`` -> c."""
-        sums: dict[_Use, dict[str, Tensor]] = {}
-        out = {}
+        return dict(self.iter_weighted_sums(records, factor_of))
+
+    def iter_weighted_sums(self, records, factor_of, release: bool = False):
+        """Yield (parameter name, sum_i c_i grad_i), one parameter at a time.
+
+        ``release``: drop a module's record (and its recorded calls and per-example
+        gradients) as soon as every parameter that reads it has its sum, so book-keeping
+        never holds all records and all sums at once.
+        """
+        pending: dict[_Use, int] = defaultdict(int)
+        for uses in self._groups.values():
+            for u, _ in uses:
+                if u in records:
+                    pending[u] += 1
+        # rule.clipped_sum gives all of a module's parameters at once; kept per factor
+        # tensor, since per-layer clipping may give a module's parameters different ones
+        sums: dict[tuple[_Use, int], dict[str, Tensor]] = {}
         for name, uses in self._groups.items():
             present = [(u, attr) for u, attr in uses if u in records]
             if not present:
@@ -858,24 +893,35 @@ class ClippingEngine:
                 grad = None
                 for u, attr in present:
                     if u in self._per_example:
-                        pe = self._per_example[u][attr]
-                        part = torch.einsum("b,b...->...", c.to(pe.dtype), pe)
+                        part = weighted_sum({attr: self._per_example[u][attr]}, c)[attr]
                     else:
-                        if u not in sums:
+                        key = (u, id(c))
+                        if key not in sums:
                             a, g = records[u]
-                            sums[u] = self._rule(u).clipped_sum(u.module, a, g, c)
-                        part = sums[u][attr]
+                            sums[key] = self._rule(u).clipped_sum(u.module, a, g, c)
+                        part = sums[key][attr]
                     grad = part if grad is None else grad + part
             else:
-                per_ex = self._shared_per_example(present, records)
-                grad = torch.einsum("b,b...->...", c.to(per_ex.dtype), per_ex)
-            out[name] = grad
-        return out
+                grad = weighted_sum({name: self._shared_per_example(present, records)}, c)[name]
+            yield name, grad
+            del grad
+            if release:
+                for u, _ in present:
+                    pending[u] -= 1
+                    if pending[u] == 0:
+                        del records[u]
+                        self._per_example.pop(u, None)
+                        u.calls.clear()
+                        for key in [k for k in sums if k[0] is u]:
+                            del sums[key]
 
     def _book_keeping(self, records, factors: Tensor) -> None:
-        """sum_i c_i grad_i from the stored (a, g), added into ``p.grad``."""
-        sums = self.weighted_sums(records, lambda name: self._factor_for(name, factors))
-        for name, grad in sums.items():
+        """sum_i c_i grad_i from the stored (a, g), added into ``p.grad`` one parameter at a
+        time, each module's record freed once its parameters are done."""
+        sums = self.iter_weighted_sums(
+            records, lambda name: self._factor_for(name, factors), release=True
+        )
+        for name, grad in sums:
             p = self.parameter(name)
             grad = grad.to(p.dtype)
             if p.grad is None:
@@ -884,11 +930,17 @@ class ClippingEngine:
                 p.grad = grad if grad.stride() == p.stride() else grad.contiguous()
             else:
                 p.grad.add_(grad)
+            del grad
 
     def parameter(self, name: str) -> nn.Parameter:
         """The clipped parameter called ``name`` (see :attr:`parameter_names`)."""
         module, attr = self._groups[name][0]
         return _param(module.module, attr)
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    """Concatenation along tokens; one part is returned as it is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def _is_tied(uses: list[tuple[_Use, str]]) -> bool:

@@ -26,6 +26,7 @@ concatenated along T). A rule gives, per trainable parameter:
 from __future__ import annotations
 
 import abc
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ __all__ = [
     "RouterRule",
     "embedding_ghost_norm",
     "find_rule",
+    "gram_cache",
     "gram_inner",
     "register_rule",
 ]
@@ -111,29 +113,64 @@ def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
     """sum_{t,s} <x_t, x_s> <y_t, y_s> per example: the ghost norm, (B,).
 
     Both Gram matrices are symmetric, so with x = [x1; x2] (split along tokens)
-    the sum is <X11, Y11> + <X22, Y22> + 2 <X12, Y12>.
+    the sum is <X11, Y11> + <X22, Y22> + 2 <X12, Y12>. The blocks of x (a layer's
+    input) are taken from :func:`gram_cache` where one is active: the q, k and v
+    projections share one input, as do a gated MLP's gate and up projections.
     """
-    t = x.shape[1]
-    if t == 1:  # ||x||^2 ||y||^2, no T x T matrices
+    if x.shape[1] == 1:  # ||x||^2 ||y||^2, no T x T matrices
         return x.pow(2).sum((1, 2)) * y.pow(2).sum((1, 2))
+    total = 0
+    for (weight, gx), (_, gy) in zip(_gram_blocks_cached(x), _gram_blocks(y), strict=True):
+        total = total + weight * (gx * gy).sum((1, 2))
+    return total
+
+
+def _gram_blocks(x: Tensor) -> list[tuple[int, Tensor]]:
+    """[(weight, Gram block)]: x x^T whole below _HALF_GRAM_MIN_TOKENS tokens, else the
+    blocks 11, 22 (weight 1) and 12 (weight 2) of its 2 x 2 split along tokens."""
+    t = x.shape[1]
     if t < _HALF_GRAM_MIN_TOKENS:
-        return _block_inner(x, x, y, y)
+        return [(1, torch.bmm(x, x.transpose(1, 2)))]
     h = t // 2
-    x1, x2, y1, y2 = x[:, :h], x[:, h:], y[:, :h], y[:, h:]
-    return (
-        _block_inner(x1, x1, y1, y1)
-        + _block_inner(x2, x2, y2, y2)
-        + 2 * _block_inner(x1, x2, y1, y2)
-    )
+    x1, x2 = x[:, :h], x[:, h:]
+    return [
+        (1, torch.bmm(x1, x1.transpose(1, 2))),
+        (1, torch.bmm(x2, x2.transpose(1, 2))),
+        (2, torch.bmm(x1, x2.transpose(1, 2))),
+    ]
+
+
+# The active cache of input Gram blocks, or None (see gram_cache).
+_GRAM_CACHE: dict | None = None
+
+
+@contextlib.contextmanager
+def gram_cache():
+    """Within this block, the Gram blocks of a tensor passed as ``x`` to the ghost norm are
+    computed once. The key is the tensor's memory and layout (data pointer, shape,
+    strides, dtype, device, version); the entry holds the tensor itself, so its memory
+    cannot be freed and reused by another tensor while the cache lives."""
+    global _GRAM_CACHE
+    outer = _GRAM_CACHE
+    _GRAM_CACHE = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _GRAM_CACHE = outer
+
+
+def _gram_blocks_cached(x: Tensor) -> list[tuple[int, Tensor]]:
+    if _GRAM_CACHE is None:
+        return _gram_blocks(x)
+    key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version)
+    hit = _GRAM_CACHE.get(key)
+    if hit is None:
+        hit = _GRAM_CACHE[key] = (x, _gram_blocks(x))
+    return hit[1]
 
 
 #: Public name of the ghost-norm Gram inner product (used by phantom clipping).
 gram_inner = _gram_inner
-
-
-def _block_inner(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor) -> Tensor:
-    """sum_{t,s} <xa_t, xb_s> <ya_t, yb_s>, (B,)."""
-    return (torch.bmm(xa, xb.transpose(1, 2)) * torch.bmm(ya, yb.transpose(1, 2))).sum((1, 2))
 
 
 class LinearRule(LayerRule):
@@ -152,7 +189,7 @@ class LinearRule(LayerRule):
         a, g = _flatten_tokens(a), _flatten_tokens(g)
         out = {}
         if _trainable(module.weight):
-            w = torch.einsum("btp,btd->bpd", g, a)
+            w = torch.bmm(g.transpose(1, 2), a)  # (B, p, d); bmm: ~4x einsum's speed on CPU
             out["weight"] = w.transpose(1, 2) if self.transposed else w
         if _trainable(getattr(module, "bias", None)):
             out["bias"] = g.sum(1)

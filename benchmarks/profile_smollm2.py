@@ -28,25 +28,16 @@ median of the ``--steps`` timed steps.
 ``--experiment`` applies a change to the engine *from this script* (by
 monkeypatching, for one run) to measure what an engine change would save:
 
-- ``skip-tied-own-norms``: ``_norms_sq`` does not compute the own ghost norms
-  of the uses of a tied parameter (``lm_head``, ``embed_tokens``), which
-  ``_tied_norm_sq`` recomputes and which are then discarded;
-- ``share-input-gram``: the ghost norm's input Gram blocks ``a a^T`` are
-  computed once per input tensor (q/k/v read the same normalised hidden
-  states, gate/up too) instead of once per layer;
 - ``instantiate-narrow``: k_proj/v_proj (576 -> 192) are instantiated instead
   of ghost-normed (their per-example gradients are then reused for the sum);
 - ``rmsnorm-direct``: the RMSNorm rule computes x * rsqrt(mean(x^2) + eps)
   in float32 directly instead of calling the module through
-  ``torch.func.functional_call``;
-- ``tied-no-copy``: ``_tied_norm_sq`` skips ``torch.cat`` of a single tensor
-  (it copies the (B, T, 49,152) head gradient);
-- ``noise-no-norms``: ``DPOptimizer.add_noise`` without its two diagnostic
-  norms per parameter (``dptrain.optim``; not the clipping engine);
-- ``free-records``: book-keeping drops each module's recorded (a, g) and the
-  ``autograd.grad`` result as soon as its parameters' clipped sums are in
-  ``p.grad`` (``engine.backward`` re-implemented in this script for flat
-  clipping), instead of keeping all of them to the end of the backward.
+  ``torch.func.functional_call``.
+
+(The experiments measured on 2026-11-24 that the engine has since adopted, such
+as skipping the tied modules' own norms, sharing input Gram blocks, freeing
+records during book-keeping and one host sync for the noise diagnostics, are no
+longer here: see docs/engine_benchmark.md.)
 
 Each run also reports the peak RSS of the first step and of the later steps
 (``VmHWM``, reset through ``/proc/self/clear_refs`` after the first step: the
@@ -128,7 +119,7 @@ def kind_of(name: str) -> str:
 def instrument(engine, dpopt, timers: Timers) -> None:
     """Wrap the engine's phases (this instance, the rule singletons, the module functions)."""
     import dptrain.clipping.engine as eng
-    from dptrain.clipping import self_check
+    from dptrain.clipping import independence, self_check
 
     for attr, label in (
         ("_check_untouched_grads", "p.grad check"),
@@ -142,10 +133,6 @@ def instrument(engine, dpopt, timers: Timers) -> None:
         ("clear", "clear records"),
     ):
         setattr(engine, attr, timers.wrap(getattr(engine, attr), label))
-    if hasattr(engine, "_book_keeping_free"):  # the free-records experiment
-        engine._book_keeping_free = timers.wrap(
-            engine._book_keeping_free, "book-keeping sums (_book_keeping)"
-        )
     engine._module_norms_sq = timers.wrap(
         engine._module_norms_sq, lambda use, a, g: f"norms: {kind_of(use.name)}"
     )
@@ -156,6 +143,7 @@ def instrument(engine, dpopt, timers: Timers) -> None:
     ):
         setattr(eng, fn_name, timers.wrap(getattr(eng, fn_name), label))
     self_check.run = timers.wrap(self_check.run, "self-check (new layout patterns)")
+    independence.run = timers.wrap(independence.run, "independence check (new patterns)")
     names = {id(u.module): u.name for u in engine._uses.values()}
     rules = {id(u.rule): u.rule for u in engine._uses.values()}
     for rule in rules.values():
@@ -177,68 +165,6 @@ def patch_autograd(timers: Timers) -> None:
 
 
 # -- experiments: engine changes applied from here, for one run ---------------------------------
-
-
-def skip_tied_own_norms(engine) -> None:
-    """_norms_sq without the own norms of uses whose every parameter is tied (recomputed by
-    _tied_norm_sq and discarded)."""
-    from dptrain.clipping.engine import _is_tied
-
-    tied_only = set()
-    for use in engine._uses.values():
-        groups = [uses for uses in engine._groups.values() if any(u is use for u, _ in uses)]
-        if groups and all(_is_tied(uses) for uses in groups):
-            tied_only.add(use)
-    original = engine._module_norms_sq
-
-    def module_norms_sq(use, a, g):
-        if use in tied_only:
-            return {}
-        return original(use, a, g)
-
-    engine._module_norms_sq = module_norms_sq
-
-
-def share_input_gram(engine) -> None:
-    """Cache the x-side Gram blocks bmm(xa, xb^T) of the ghost norm by input storage within
-    one backward (q/k/v read one tensor, gate/up another)."""
-    from dptrain.clipping import rules
-
-    cache: dict[tuple, torch.Tensor] = {}
-
-    def key(t: torch.Tensor) -> tuple:
-        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-    def gram(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-        k = (key(xa), key(xb))
-        if k not in cache:
-            cache[k] = torch.bmm(xa, xb.transpose(1, 2))
-        return cache[k]
-
-    def gram_inner(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        if t == 1:
-            return x.pow(2).sum((1, 2)) * y.pow(2).sum((1, 2))
-        if t < rules._HALF_GRAM_MIN_TOKENS:
-            return (gram(x, x) * torch.bmm(y, y.transpose(1, 2))).sum((1, 2))
-        h = t // 2
-        x1, x2, y1, y2 = x[:, :h], x[:, h:], y[:, :h], y[:, h:]
-
-        def block(xa, xb, ya, yb):
-            return (gram(xa, xb) * torch.bmm(ya, yb.transpose(1, 2))).sum((1, 2))
-
-        return block(x1, x1, y1, y1) + block(x2, x2, y2, y2) + 2 * block(x1, x2, y1, y2)
-
-    rules._gram_inner = gram_inner
-    backward = engine.backward
-
-    def backward_clearing(*args, **kwargs):
-        try:
-            return backward(*args, **kwargs)
-        finally:
-            cache.clear()
-
-    engine.backward = backward_clearing
 
 
 def instantiate_narrow(engine) -> None:
@@ -273,113 +199,7 @@ def rmsnorm_direct(engine) -> None:
     rule._normalised = normalised
 
 
-def tied_no_copy(engine) -> None:
-    """``_tied_norm_sq`` without ``torch.cat`` of a single tensor (a copy of the (B, T, 49,152)
-    head gradient): the engine module sees a ``torch`` whose ``cat`` returns a lone tensor."""
-    import types
-
-    import dptrain.clipping.engine as eng
-
-    def cat(tensors, dim=0, **kwargs):
-        tensors = list(tensors)
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim, **kwargs)
-
-    class TorchProxy(types.ModuleType):
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-    proxy = TorchProxy("torch_proxy")
-    proxy.cat = cat
-    eng.torch = proxy
-
-
-def noise_no_norms(engine) -> None:
-    """DPOptimizer.add_noise without the two diagnostic norms per parameter (clipped sum,
-    noise) that it computes for StepMetrics (dptrain.optim._norm returns 0)."""
-    import dptrain.optim
-
-    dptrain.optim._norm = lambda t: 0.0
-
-
-def free_records(engine) -> None:
-    """Book-keeping that lets each module's (a, g) go as soon as its parameters' clipped sums
-    are in p.grad (``engine.backward`` re-implemented here for flat clipping in
-    book-keeping mode; the engine keeps every record, the autograd.grad result and the
-    recorded inputs until the end of the backward)."""
-    from dptrain.clipping import self_check
-    from dptrain.clipping.engine import ClipStats, _is_tied
-    from dptrain.clipping.functions import flat_factors
-
-    assert engine.mode == "book_keeping" and engine.clipping == "flat"
-
-    def book_keeping(records, factors) -> None:
-        remaining = defaultdict(int)  # use -> groups still to sum
-        for uses in engine._groups.values():
-            for u in {id(u): u for u, _ in uses if u in records}.values():
-                remaining[u] += 1
-        for name, uses in engine._groups.items():
-            present = [(u, attr) for u, attr in uses if u in records]
-            if not present:
-                continue
-            if not (len(uses) == 1 or _is_tied(uses)):
-                raise NotImplementedError("shared non-tied parameters: not in this experiment")
-            grad = None
-            for u, attr in present:
-                if u in engine._per_example:
-                    pe = engine._per_example[u][attr]
-                    part = torch.einsum("b,b...->...", factors.to(pe.dtype), pe)
-                else:
-                    a, g = records[u]
-                    part = u.rule.clipped_sum(u.module, a, g, factors)[attr]
-                grad = part if grad is None else grad + part
-            p = engine.parameter(name)
-            grad = grad.to(p.dtype)
-            if p.grad is None:
-                p.grad = grad if grad.stride() == p.stride() else grad.contiguous()
-            else:
-                p.grad.add_(grad)
-            del grad, part
-            for u in {id(u): u for u, _ in present}.values():
-                remaining[u] -= 1
-                if remaining[u] == 0:  # every parameter of u is summed: drop its record
-                    records.pop(u)
-                    engine._per_example.pop(u, None)
-                    u.calls.clear()
-
-    def backward(losses, loss_scale: float = 1.0):
-        b = losses.shape[0]
-        engine._check_untouched_grads()
-        live = engine._live_calls(losses)
-        active = [u for u in engine._uses.values() if live.get(u)]
-        new_patterns = engine._layouts(active, live, b)
-        check = bool(new_patterns)
-        edges = [c.edge for u in active for c in live[u]]
-        grads = torch.autograd.grad(losses.sum(), edges, allow_unused=True, retain_graph=check)
-        records = engine._records(active, live, grads, b)
-        if check:
-            self_check.run(engine, losses, active, live, edges, grads, records)
-            engine._verified |= new_patterns
-            engine.self_checks += 1
-        del grads, live, edges, active
-        norms_sq = engine._norms_sq(records)
-        total = torch.stack(list(norms_sq.values())).sum(0).sqrt()
-        factors = flat_factors(total, engine.max_grad_norm * loss_scale)
-        engine._book_keeping_free(records, factors)
-        engine.clear()
-        engine._per_example = {}
-        engine._mark_grads()
-        return ClipStats(total.detach() / loss_scale, factors.detach(), engine.max_grad_norm)
-
-    engine._book_keeping_free = book_keeping
-    engine.backward = backward
-
-
 EXPERIMENTS = {
-    "free-records": free_records,
-    "tied-no-copy": tied_no_copy,
-    "noise-no-norms": noise_no_norms,
-    "skip-tied-own-norms": skip_tied_own_norms,
-    "share-input-gram": share_input_gram,
     "instantiate-narrow": instantiate_narrow,
     "rmsnorm-direct": rmsnorm_direct,
 }

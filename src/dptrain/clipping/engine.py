@@ -205,7 +205,7 @@ class ClippingEngine:
         # The root call's inputs (detached) and, during an independence check's re-run, the
         # first input of each clipped module's calls (independence.py).
         self._root_inputs: tuple | None = None
-        self._probe: dict[_Use, list[Tensor]] | None = None
+        self._probe: dict[_Use, list] | None = None
         # Layout patterns already checked exactly (self_check), per (module, call index).
         self._verified: set[tuple] = set()
         self.self_checks = 0
@@ -364,7 +364,7 @@ class ClippingEngine:
                     (t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)), None
                 )
                 if first is not None:
-                    self._probe.setdefault(use, []).append(first.detach())
+                    self._probe.setdefault(use, []).append(independence.summary(first))
                 return None
             if not torch.is_grad_enabled():
                 return None
@@ -477,9 +477,10 @@ class ClippingEngine:
             )
         )
 
-    def _probe_inputs(self, args: tuple, kwargs: dict) -> dict[_Use, list[Tensor]]:
-        """Run the model on (args, kwargs) without gradients; each clipped module's first
-        input per call. What the last forward recorded is left as it was."""
+    def _probe_inputs(self, args: tuple, kwargs: dict) -> dict[_Use, list]:
+        """Run the model on (args, kwargs) without gradients; a summary of each clipped
+        module's first input per call (independence.summary). What the last forward
+        recorded is left as it was."""
         self._probe = {}
         try:
             with torch.no_grad():

@@ -889,21 +889,7 @@ class ClippingEngine:
             present = [(u, attr) for u, attr in uses if u in records]
             if not present:
                 continue
-            c = factor_of(name)
-            if len(uses) == 1 or _is_tied(uses):
-                grad = None
-                for u, attr in present:
-                    if u in self._per_example:
-                        part = weighted_sum({attr: self._per_example[u][attr]}, c)[attr]
-                    else:
-                        key = (u, id(c))
-                        if key not in sums:
-                            a, g = records[u]
-                            sums[key] = self._rule(u).clipped_sum(u.module, a, g, c)
-                        part = sums[key][attr]
-                    grad = part if grad is None else grad + part
-            else:
-                grad = weighted_sum({name: self._shared_per_example(present, records)}, c)[name]
+            grad = self._weighted_sum_of(name, present, records, factor_of(name), sums)
             yield name, grad
             del grad
             if release:
@@ -915,6 +901,24 @@ class ClippingEngine:
                         u.calls.clear()
                         for key in [k for k in sums if k[0] is u]:
                             del sums[key]
+
+    def _weighted_sum_of(self, name, present, records, c: Tensor, sums: dict) -> Tensor:
+        """sum_i c_i grad_i of one parameter from its uses' records (``sums``: a cache of
+        the rules' whole-module sums, keyed by (use, id(c)))."""
+        if len(self._groups[name]) > 1 and not _is_tied(self._groups[name]):
+            return weighted_sum({name: self._shared_per_example(present, records)}, c)[name]
+        grad = None
+        for u, attr in present:
+            if u in self._per_example:
+                part = weighted_sum({attr: self._per_example[u][attr]}, c)[attr]
+            else:
+                key = (u, id(c))
+                if key not in sums:
+                    a, g = records[u]
+                    sums[key] = self._rule(u).clipped_sum(u.module, a, g, c)
+                part = sums[key][attr]
+            grad = part if grad is None else grad + part
+        return grad
 
     def _book_keeping(self, records, factors: Tensor) -> None:
         """sum_i c_i grad_i from the stored (a, g), added into ``p.grad`` one parameter at a

@@ -68,82 +68,124 @@ def check_weights(b: int, dtype: torch.dtype, device: torch.device, seed: int = 
 
 
 def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, records) -> None:
-    """Raise :class:`~dptrain.clipping.UnsupportedModelError` if the chunk fails the check."""
-    from dptrain.clipping.engine import UnsupportedModelError, _examples_first
+    """Raise :class:`~dptrain.clipping.UnsupportedModelError` if the chunk fails the check.
+
+    One backward of sum_i w_i L_i. Its gradients are checked as autograd produces them
+    and then dropped (hooks on the recorded outputs' nodes and on the parameters), so the
+    check never holds a second copy of every output gradient and every parameter
+    gradient: on the first chunk that would raise the run's peak memory.
+    """
+    from dptrain.clipping.engine import UnsupportedModelError
 
     b = losses.shape[0]
     w = check_weights(b, losses.dtype, losses.device, seed=engine.self_checks)
-    names = [n for n in engine.parameter_names if any(u in records for u, _ in engine._groups[n])]
-    params = [engine.parameter(n) for n in names]
-    out = torch.autograd.grad(
-        (losses * w).sum(),
-        [*edges, *params],
-        allow_unused=True,
-        retain_graph=engine.mode == "ghost",
-    )
-    weighted_edges, weighted_params = out[: len(edges)], out[len(edges) :]
-    weighted_edges = _examples_first([c for u in active for c in live[u]], weighted_edges)
-
-    i = 0
-    for use in active:
-        for call in live[use]:
-            g, wg = grads[i], weighted_edges[i]
-            i += 1
-            err = _rows_error(g, wg, w, b)
-            if err > ROW_TOLERANCE.get(g.dtype if g is not None else torch.float32, 1e-5):
-                raise UnsupportedModelError(
-                    f"module {use.name} ({type(use.module).__name__}): the rows of its "
-                    f"{_describe(call, b)} are not one per example: re-weighting each example's "
-                    f"loss changed row i by more than that example's weight (relative error "
-                    f"{err:.2e}). Example i's loss reaches rows of other examples, so clipping "
-                    "these rows would not bound one example's influence. Typical causes: a table "
-                    f"shared by all examples whose length equals the chunk size ({b}; pass its "
-                    "ids with a batch dimension, shape (1, T), or change max_physical_batch_size), "
-                    "a time-first (T, B, ...) tensor with T = B, or an operation that mixes "
-                    "examples (batch statistics, in-batch negatives in the loss)."
-                )
-
+    calls = [(use, call) for use in active for call in live[use]]
     low = any(g is not None and g.dtype in (torch.bfloat16, torch.float16) for g in grads)
     dtype = _record_dtype(records)
     w_records = w.to(dtype)
     tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[dtype]
-    autos = {
-        name: torch.zeros_like(p) if a is None else a
-        for name, p, a in zip(names, params, weighted_params, strict=True)
-    }
+
+    # rows: per recorded output, the weighted gradient against w_i times the plain one
+    row_errors: list[float] = [0.0 if g is None else math.inf for g in grads]
+    by_node: dict[int, list[int]] = {}
+    for k, edge in enumerate(edges):
+        by_node.setdefault(id(edge.node), []).append(k)
+
+    def rows_hook(node):
+        def hook(grad_outputs):
+            for k in by_node[id(node)]:
+                wg = grad_outputs[edges[k].output_nr]
+                if wg is not None and calls[k][1].batch_dim:
+                    wg = wg.movedim(calls[k][1].batch_dim, 0)
+                row_errors[k] = _rows_error(grads[k], wg, w, b)
+
+        return hook
+
+    # completeness: per parameter, (max |mine - auto|, max |auto|, max |mine|)
+    names = [n for n in engine.parameter_names if any(u in records for u, _ in engine._groups[n])]
+    params = {id(engine.parameter(n)): n for n in names}
+    seen: dict[str, tuple[float, float, float]] = {}
+    sums: dict = {}
+
+    def param_hook(p):
+        name = params[id(p)]
+        present = [(u, attr) for u, attr in engine._groups[name] if u in records]
+        mine = engine._weighted_sum_of(name, present, records, w_records, sums)
+        seen[name] = _gaps(mine, p.grad)
+        p.grad = None  # autograd's gradient is not kept; the engine's is restored below
+
+    saved = {n: engine.parameter(n).grad for n in names}
+    handles = [
+        e.node.register_prehook(rows_hook(e.node)) for e in {id(e.node): e for e in edges}.values()
+    ]
+    handles += [engine.parameter(n).register_post_accumulate_grad_hook(param_hook) for n in names]
+    try:
+        for n in names:
+            engine.parameter(n).grad = None
+        torch.autograd.backward(
+            (losses * w).sum(),
+            inputs=[engine.parameter(n) for n in names],
+            retain_graph=engine.mode == "ghost",
+        )
+    finally:
+        for h in handles:
+            h.remove()
+        for n, g in saved.items():
+            engine.parameter(n).grad = g
+
+    for (use, call), g, err in zip(calls, grads, row_errors, strict=True):
+        if err > ROW_TOLERANCE.get(g.dtype if g is not None else torch.float32, 1e-5):
+            raise UnsupportedModelError(
+                f"module {use.name} ({type(use.module).__name__}): the rows of its "
+                f"{_describe(call, b)} are not one per example: re-weighting each example's "
+                f"loss changed row i by more than that example's weight (relative error "
+                f"{err:.2e}). Example i's loss reaches rows of other examples, so clipping "
+                "these rows would not bound one example's influence. Typical causes: a table "
+                f"shared by all examples whose length equals the chunk size ({b}; pass its "
+                "ids with a batch dimension, shape (1, T), or change max_physical_batch_size), "
+                "a time-first (T, B, ...) tensor with T = B, or an operation that mixes "
+                "examples (batch statistics, in-batch negatives in the loss)."
+            )
+
     # A parameter whose gradient is zero by symmetry (BERT's key bias: softmax ignores
     # a shift shared by all keys) has only rounding noise to compare: its scale is
     # floored at sqrt(tol) times the largest gradient of the model.
-    floor = math.sqrt(tol) * max(
-        (float(a.abs().max()) for a in autos.values() if a.numel()), default=0.0
-    )
-    # one parameter's sum at a time: the check needs no second copy of every gradient
-    done = set()
-    for name, mine in engine.iter_weighted_sums(records, lambda name: w_records):
-        done.add(name)
-        _compare(engine, name, mine, autos[name], tol, floor)
-    for name in autos.keys() - done:
-        _compare(engine, name, None, autos[name], tol, floor)
+    for name in names:  # parameters autograd gave no gradient: compared with zero
+        if name not in seen:
+            present = [(u, attr) for u, attr in engine._groups[name] if u in records]
+            mine = engine._weighted_sum_of(name, present, records, w_records, sums)
+            seen[name] = _gaps(mine, None)
+    floor = math.sqrt(tol) * max((auto for _, auto, _ in seen.values()), default=0.0)
+    for name in names:
+        diff, auto, mine = seen[name]
+        scale = max(auto, mine, floor)
+        err = diff / scale if scale > 0 else 0.0
+        ptol = tol
+        if any(u.rule.float32_inside for u, _ in engine._groups[name]):
+            ptol = max(tol, SUM_TOLERANCE[torch.float32])
+        if err > ptol:
+            owners = ", ".join(
+                f"{u.name} ({type(u.module).__name__})" for u, _ in engine._groups[name]
+            )
+            raise UnsupportedModelError(
+                f"parameter {name}: the gradient the engine reconstructs from the recorded "
+                f"calls of {owners} differs from autograd's by {err:.2e} (relative). The rule "
+                "for this module type does not compute its gradient exactly (a rule registered "
+                "for a type it does not fit?), or part of the gradient bypasses the module's "
+                "recorded input and output. Register a rule that fits, or freeze the parameter."
+            )
 
 
-def _compare(engine, name: str, mine: Tensor | None, auto: Tensor, tol: float, floor: float):
-    from dptrain.clipping.engine import UnsupportedModelError
-
-    mine = torch.zeros_like(auto) if mine is None else mine.to(auto.dtype)
-    scale = max(float(auto.abs().max()), float(mine.abs().max()), floor) if auto.numel() else 0
-    err = float((mine - auto).abs().max()) / scale if scale > 0 else 0.0
-    ptol = tol
-    if any(u.rule.float32_inside for u, _ in engine._groups[name]):
-        ptol = max(tol, SUM_TOLERANCE[torch.float32])
-    if err > ptol:
-        owners = ", ".join(f"{u.name} ({type(u.module).__name__})" for u, _ in engine._groups[name])
-        raise UnsupportedModelError(
-            f"parameter {name}: the gradient the engine reconstructs from the recorded "
-            f"calls of {owners} differs from autograd's by {err:.2e} (relative). The rule "
-            "for this module type does not compute its gradient exactly (a rule registered "
-            "for a type it does not fit?), or part of the gradient bypasses the module's "
-            "recorded input and output. Register a rule that fits, or freeze the parameter."
-        )
+def _gaps(mine: Tensor | None, auto: Tensor | None) -> tuple[float, float, float]:
+    """(max |mine - auto|, max |auto|, max |mine|), None read as zero."""
+    if mine is None and auto is None:
+        return 0.0, 0.0, 0.0
+    ref = auto if auto is not None else mine
+    mine = torch.zeros_like(ref) if mine is None else mine.to(ref.dtype)
+    auto = torch.zeros_like(ref) if auto is None else auto
+    if not ref.numel():
+        return 0.0, 0.0, 0.0
+    return float((mine - auto).abs().max()), float(auto.abs().max()), float(mine.abs().max())
 
 
 def _rows_error(g: Tensor | None, wg: Tensor | None, w: Tensor, b: int) -> float:

@@ -526,6 +526,8 @@ class ClippingEngine:
                 return ClipStats(zeros, zeros, self.max_grad_norm)
             new_patterns = self._layouts(active, live, b)
             check = bool(new_patterns)
+            if check:  # before the output gradients exist: the re-runs need their memory
+                independence.run(self, active, b)
             edges = [c.edge for u in active for c in live[u]]
             grads = torch.autograd.grad(
                 losses.sum(), edges, allow_unused=True, retain_graph=check or self.mode == "ghost"
@@ -534,7 +536,6 @@ class ClippingEngine:
             records = self._records(active, live, grads, b)
             if check:
                 self_check.run(self, losses, active, live, edges, grads, records)
-                independence.run(self, active, b)
                 self._verified |= new_patterns
                 self.self_checks += 1
             # the records hold what is needed; the output gradients go as records are freed

@@ -53,11 +53,13 @@ from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, fl
 from dptrain.clipping.graph_check import grad_node, interior, parameter_uses
 from dptrain.clipping.layout import ROWS, example_layout, layout_pattern
 from dptrain.clipping.phantom import phantom_cross_term
-from dptrain.clipping.replay import ReplayRule, _param
+from dptrain.clipping.replay import ReplayRule
 from dptrain.clipping.rules import (
     EmbeddingRule,
     LayerRule,
     LinearRule,
+    _param,
+    _trainable,
     embedding_ghost_norm,
     find_rule,
     gram_cache,
@@ -241,7 +243,7 @@ class ClippingEngine:
         def add(name: str, module: nn.Module, rule: LayerRule) -> None:
             for attr in rule.param_names:
                 p = _param(module, attr)
-                if isinstance(p, nn.Parameter) and p.requires_grad:
+                if _trainable(p):
                     covered.add(id(p))  # reported below if the module is refused
             why = rule.check(module)
             if why is not None:
@@ -306,7 +308,7 @@ class ClippingEngine:
         for use in self._uses.values():
             for attr in use.rule.param_names:
                 p = _param(use.module, attr)
-                if isinstance(p, nn.Parameter) and p.requires_grad:
+                if _trainable(p):
                     by_param[id(p)].append((use, attr))
                     names.setdefault(id(p), f"{use.name}.{attr}" if use.name else attr)
         return {names[k]: v for k, v in by_param.items()}
@@ -359,29 +361,29 @@ class ClippingEngine:
             # block's activations) is not a new call: recording it would count it twice.
             if _in_backward() or self._replaying:
                 return None
+            if self._probe is None and not torch.is_grad_enabled():
+                return None
+            inputs = _tensor_inputs(args, kwargs)
             if self._probe is not None:  # a re-run for the independence check: inputs only
-                first = next(
-                    (t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)), None
-                )
-                if first is not None:
-                    self._probe.setdefault(use, []).append(independence.summary(first))
+                if inputs:
+                    self._probe.setdefault(use, []).append(independence.summary(inputs[0]))
                 return None
-            if not torch.is_grad_enabled():
-                return None
-            replays = getattr(use.rule, "replays", False)
-            if replays:
-                return self._record_replayed(use, module, args, kwargs, output)
             full_output, output = output, use.rule.output_of(module, output)
             if output is None:
+                kind = type(full_output).__name__
                 use.unrecorded = (
-                    f"its rule found no output tensor in a {type(full_output).__name__}"
+                    f"it has no written rule and returns a {kind}, not a tensor, so the "
+                    "generic rule cannot replay it"
+                    if isinstance(use.rule, ReplayRule)
+                    else f"its rule found no output tensor in a {kind}"
                 )
                 return None
             if not output.requires_grad:
                 # Its parameters were frozen after the engine was built and its input
                 # needs no gradient: this call gives no parameter a gradient to clip.
                 return None
-            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+            if getattr(use.rule, "replays", False):
+                return self._record_replayed(use, module, args, kwargs, output, inputs)
             if not inputs:
                 raise UnsupportedModelError(
                     f"module {use.name} ({type(module).__name__}) was called without a tensor "
@@ -448,22 +450,12 @@ class ClippingEngine:
 
         return hook
 
-    def _record_replayed(self, use: _Use, module, args, kwargs, output) -> None:
+    def _record_replayed(self, use: _Use, module, args, kwargs, y: Tensor, inputs) -> None:
         """Record a call of a module whose rule replays it (replay.py): all its inputs."""
-        y = use.rule.output_of(module, output)
-        if y is None:
-            use.unrecorded = (
-                f"it has no written rule and returns a {type(output).__name__}, not a tensor, "
-                "so the generic rule cannot replay it"
-            )
-            return
-        if not y.requires_grad:
-            return
         try:
             bd = use.rule.batch_dim(module, args, kwargs)
         except ValueError as e:
             raise UnsupportedModelError(f"module {use.name} ({type(module).__name__}): {e}") from e
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         a = inputs[0] if inputs else y.new_zeros(y.shape[bd])
         use.calls.append(
             _Call(
@@ -867,16 +859,13 @@ class ClippingEngine:
             return self._group_factors[self._group_of(name, self._groups[name])]
         return factors
 
-    def weighted_sums(self, records, factor_of) -> dict[str, Tensor]:
-        """{parameter name: sum_i c_i grad_i} from the stored (a, g); ``factor_of(name)`` -> c."""
-        return dict(self.iter_weighted_sums(records, factor_of))
+    def _drain_weighted_sums(self, records, factor_of):
+        """Yield (parameter name, sum_i c_i grad_i), one parameter at a time, from the
+        stored (a, g); ``factor_of(name)`` -> c.
 
-    def iter_weighted_sums(self, records, factor_of, release: bool = False):
-        """Yield (parameter name, sum_i c_i grad_i), one parameter at a time.
-
-        ``release``: drop a module's record (and its recorded calls and per-example
-        gradients) as soon as every parameter that reads it has its sum, so book-keeping
-        never holds all records and all sums at once.
+        Consumes ``records``: a module's record (with its recorded calls and per-example
+        gradients) is dropped as soon as every parameter that reads it has its sum, so
+        book-keeping never holds all records and all sums at once.
         """
         pending: dict[_Use, int] = defaultdict(int)
         for uses in self._groups.values():
@@ -893,15 +882,14 @@ class ClippingEngine:
             grad = self._weighted_sum_of(name, present, records, factor_of(name), sums)
             yield name, grad
             del grad
-            if release:
-                for u, _ in present:
-                    pending[u] -= 1
-                    if pending[u] == 0:
-                        del records[u]
-                        self._per_example.pop(u, None)
-                        u.calls.clear()
-                        for key in [k for k in sums if k[0] is u]:
-                            del sums[key]
+            for u, _ in present:
+                pending[u] -= 1
+                if pending[u] == 0:
+                    del records[u]
+                    self._per_example.pop(u, None)
+                    u.calls.clear()
+                    for key in [k for k in sums if k[0] is u]:
+                        del sums[key]
 
     def _weighted_sum_of(self, name, present, records, c: Tensor, sums: dict) -> Tensor:
         """sum_i c_i grad_i of one parameter from its uses' records (``sums``: a cache of
@@ -924,9 +912,7 @@ class ClippingEngine:
     def _book_keeping(self, records, factors: Tensor) -> None:
         """sum_i c_i grad_i from the stored (a, g), added into ``p.grad`` one parameter at a
         time, each module's record freed once its parameters are done."""
-        sums = self.iter_weighted_sums(
-            records, lambda name: self._factor_for(name, factors), release=True
-        )
+        sums = self._drain_weighted_sums(records, lambda name: self._factor_for(name, factors))
         for name, grad in sums:
             p = self.parameter(name)
             grad = grad.to(p.dtype)
@@ -966,6 +952,11 @@ def _examples_first(calls: list[_Call], grads: tuple) -> tuple:
         g.movedim(c.batch_dim, 0) if g is not None and c.batch_dim else g
         for c, g in zip(calls, grads, strict=True)
     )
+
+
+def _tensor_inputs(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among a call's arguments, nested containers included, in order."""
+    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
 
 
 def _detached(tree):

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
+
+from dptrain.clipping.layout import example_slice
 
 if TYPE_CHECKING:  # pragma: no cover
     from dptrain.clipping.engine import ClippingEngine
@@ -74,7 +75,7 @@ def run(engine: ClippingEngine, uses, b: int) -> None:
         batched = engine._probe_inputs(args, kwargs)
         for i in sorted({0, b - 1}):
             try:
-                alone = engine._probe_inputs(*_example(args, kwargs, i, b))
+                alone = engine._probe_inputs(*example_slice((args, kwargs), i, b))
             except Exception as e:  # inputs not split along dim 0 (a (B * heads, T, T) mask)
                 warnings.warn(
                     f"dptrain could not run the model on example {i} alone to check that "
@@ -171,15 +172,6 @@ def _difference(x: Tensor, y: Tensor, i: int, b: int) -> float:
         return 0.0
     scale = float(part.double().abs().max())
     return diff / scale if scale > 0 else float("inf")
-
-
-def _example(args: tuple, kwargs: dict, i: int, b: int) -> tuple[tuple, dict]:
-    """Example i's root inputs: every tensor whose first dimension is b, sliced."""
-
-    def one(v):
-        return v[i : i + 1] if isinstance(v, Tensor) and v.dim() and v.shape[0] == b else v
-
-    return tree_map(one, args), tree_map(one, kwargs)
 
 
 @contextlib.contextmanager

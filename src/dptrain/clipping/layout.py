@@ -22,7 +22,18 @@ the same way.
 
 from __future__ import annotations
 
-__all__ = ["BLOCKS", "LAYOUTS", "ROWS", "SHARED", "example_layout", "layout_pattern"]
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+__all__ = [
+    "BLOCKS",
+    "LAYOUTS",
+    "ROWS",
+    "SHARED",
+    "example_layout",
+    "example_slice",
+    "layout_pattern",
+]
 
 ROWS = "rows"
 BLOCKS = "blocks"
@@ -54,3 +65,16 @@ def layout_pattern(
         tuple(s == b for s in a_shape),
         tuple(s == b for s in out_shape),
     )
+
+
+def example_slice(tree, i: int, b: int, rows: int = 1):
+    """Example i's part of a call's arguments (nested containers included): every tensor
+    with b * rows rows along dimension 0 gives its rows i * rows .. (i + 1) * rows (the
+    rows or blocks layout); other values are shared and passed as they are."""
+
+    def one(v):
+        if isinstance(v, Tensor) and v.dim() and v.shape[0] == b * rows:
+            return v[i * rows : (i + 1) * rows]
+        return v
+
+    return tree_map(one, tree)

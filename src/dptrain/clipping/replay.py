@@ -32,16 +32,10 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from dptrain.clipping.rules import RULES, LayerRule, weighted_sum
+from dptrain.clipping.layout import example_slice
+from dptrain.clipping.rules import RULES, LayerRule, _param, weighted_sum
 
 __all__ = ["MultiheadAttentionRule", "ReplayRule"]
-
-
-def _param(module: nn.Module, name: str) -> nn.Parameter | None:
-    try:
-        return module.get_parameter(name)
-    except AttributeError:
-        return None
 
 
 class ReplayRule(LayerRule):
@@ -91,19 +85,10 @@ class ReplayRule(LayerRule):
         With the first input laid out in blocks of k rows per example (b k rows,
         example-major, as Mixtral's experts see their tokens), every input with b k
         rows is sliced in blocks. Which inputs are sliced is part of the layout pattern
-        the engine checks
-        exactly the first time it is seen (a shared table of length b would be
-        sliced wrongly, and the completeness check would refuse it).
+        the engine checks exactly the first time it is seen (a shared table of length b
+        would be sliced wrongly, and the completeness check would refuse it).
         """
-
-        rows = _rows_per_example(args, kwargs, b)
-
-        def one(v):
-            if isinstance(v, Tensor) and v.dim() and v.shape[0] == b * rows:
-                return v[i * rows : (i + 1) * rows]
-            return v
-
-        return tuple(one(v) for v in args), {k: one(v) for k, v in kwargs.items()}
+        return example_slice((args, kwargs), i, b, _rows_per_example(args, kwargs, b))
 
     def replay(self, module: nn.Module, calls: list[tuple[tuple, dict, Tensor]], b: int) -> Tensor:
         """(B, P) per-example gradients of ``param_names``, flattened, summed over calls.

@@ -397,6 +397,14 @@ def _trainable(p: Tensor | None) -> bool:
     return isinstance(p, nn.Parameter) and p.requires_grad
 
 
+def _param(module: nn.Module, name: str) -> nn.Parameter | None:
+    """The parameter ``name`` of ``module`` (a dotted path for a submodule's), or None."""
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return None
+
+
 #: The registry: module type -> rule (exact types; see :func:`find_rule`).
 RULES: dict[type[nn.Module], LayerRule] = {
     nn.Linear: LinearRule(),

@@ -375,9 +375,15 @@ def gemma3(seed: int = 0) -> ZooCase:
     return _finish("gemma3", model, _causal_lm_batch(0, _WINDOW), token_losses)
 
 
-def t5(seed: int = 0) -> ZooCase:
-    """T5: relative attention buckets (8, max distance 16), gated-GELU FFN, tied scaled head."""
-    config = transformers.T5Config(
+def t5(
+    seed: int = 0,
+    attn_implementation: str = "eager",
+    model_class: str = "T5ForConditionalGeneration",
+) -> ZooCase:
+    """T5: relative attention buckets (8, max distance 16), gated-GELU FFN, tied scaled head
+    (``model_class="MT5ForConditionalGeneration"``: mT5, the same layers under other names)."""
+    config_class = getattr(transformers, model_class.replace("ForConditionalGeneration", "Config"))
+    config = config_class(
         vocab_size=VOCAB,
         d_model=32,
         d_kv=8,
@@ -395,9 +401,9 @@ def t5(seed: int = 0) -> ZooCase:
         eos_token_id=1,
         decoder_start_token_id=0,
         use_cache=False,
-        attn_implementation="eager",
+        attn_implementation=attn_implementation,
     )
-    model = _build(transformers.T5ForConditionalGeneration, config, seed)
+    model = _build(getattr(transformers, model_class), config, seed)
     return _finish("t5", model, _seq2seq_batch(0), token_losses)
 
 

@@ -9,6 +9,7 @@ the families still refused are listed with the module type that blocks them.
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -82,12 +83,7 @@ def _tolerance(family: str, mode: str) -> float | None:
 
 
 def _case(family: str):
-    case = hf_zoo.FAMILIES[family]()
-    if family == "t5":  # the shared relative-position bias is refused (docs/engine.md)
-        for name, p in case.model.named_parameters():
-            if "relative_attention_bias" in name:
-                p.requires_grad_(False)
-    return case
+    return hf_zoo.FAMILIES[family]()
 
 
 def _losses_of(case):
@@ -146,13 +142,46 @@ def test_family_still_refused_names_the_module_type(family):
         engine.backward(case.losses(case.model(**kwargs), labels))
 
 
-def test_t5_relative_position_bias_is_refused_by_name():
-    case = hf_zoo.FAMILIES["t5"]()
-    engine = ClippingEngine(case.model, 1.0)
-    kwargs, labels = case.make_batch(B, T, 0)
-    with pytest.raises(UnsupportedModelError, match=r"relative_attention_bias \(Embedding\)"):
-        engine.backward(case.losses(case.model(**kwargs), labels))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_t5_relative_position_bias_is_clipped_exactly(attention, mode):
+    # The shared (buckets, heads) tables of the encoder and the decoder, trainable, through
+    # SDPA (which sums a broadcast bias's gradient over the batch inside its kernel) and
+    # eager attention; chunk sizes equal to T and to the number of buckets included.
+    case = hf_zoo.t5(attn_implementation=attention)
+    tables = [n for n, p in case.model.named_parameters() if "relative_attention_bias" in n]
+    assert len(tables) == 2 and all(case.model.get_parameter(n).requires_grad for n in tables)
+    engine = ClippingEngine(case.model, 1.0, mode=mode)
+    assert {type(u.rule).__name__ for u in engine._uses.values()} >= {"T5RelativeBiasRule"}
     engine.detach()
+    for b in (B, T, 8):
+        assert_engine_matches_oracle(
+            case.model,
+            lambda rows, b=b: hf_zoo.per_example_losses(case, b, T, 0, rows),
+            b,
+            mode=mode,
+            tol=_tolerance("t5", mode),
+        )
+    slack = 1e-6 if _tolerance("t5", mode) else 1e-9
+    assert zoo_case_outcomes(case, (T, 8), T, mode=mode, slack=slack) == [PRIVATE] * 2
+
+
+def test_mt5_relative_position_bias_is_clipped_exactly():
+    case = hf_zoo.t5(model_class="MT5ForConditionalGeneration")
+    assert_engine_matches_oracle(case.model, _losses_of(case), B, mode="book_keeping")
+
+
+def test_t5_generation_is_unchanged_under_the_engine():
+    # The rule's pre-hook acts only where gradients are recorded: generate() (no_grad,
+    # with a cache) computes exactly what the plain model computes.
+    case = hf_zoo.t5()
+    kwargs, _ = case.make_batch(2, T, 0)
+    kwargs = {k: v for k, v in kwargs.items() if k in ("input_ids", "attention_mask")}
+    plain = case.model.generate(**kwargs, max_new_tokens=4, do_sample=False)
+    engine = ClippingEngine(case.model, 1.0)
+    hooked = case.model.generate(**kwargs, max_new_tokens=4, do_sample=False)
+    engine.detach()
+    assert torch.equal(plain, hooked)
 
 
 @pytest.mark.parametrize("mode", MODES)

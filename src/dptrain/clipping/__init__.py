@@ -12,6 +12,7 @@ from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, fl
 from dptrain.clipping.independence import UnsupportedInputsWarning
 from dptrain.clipping.oracle import oracle_clipped_sum, oracle_norms, oracle_per_example_grads
 from dptrain.clipping.phantom import phantom_cross_term
+from dptrain.clipping.relative_bias import T5RelativeBiasRule
 from dptrain.clipping.replay import MultiheadAttentionRule, ReplayRule
 from dptrain.clipping.rules import (
     RULES,
@@ -46,6 +47,7 @@ __all__ = [
     "RMSNormRule",
     "ReplayRule",
     "RouterRule",
+    "T5RelativeBiasRule",
     "UnsupportedInputsWarning",
     "UnsupportedModelError",
     "automatic_factors",

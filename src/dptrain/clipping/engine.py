@@ -218,6 +218,12 @@ class ClippingEngine:
             model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
         ]
         for use in self._uses.values():
+            if use.rule.forward_pre_hook is not None:
+                self._handles.append(
+                    use.module.register_forward_pre_hook(
+                        use.rule.forward_pre_hook, with_kwargs=True
+                    )
+                )
             self._handles.append(
                 use.module.register_forward_hook(self._make_hook(use), with_kwargs=True)
             )
@@ -261,10 +267,10 @@ class ClippingEngine:
                 continue
             if getattr(rule, "replays", False):
                 rule = rule.for_module(module)
-            if getattr(rule, "claims_subtree", False):
-                in_subtree.update(id(m) for m in module.modules() if m is not module)
+            claimed = rule.claimed_modules(module)
+            in_subtree.update(id(m) for m in claimed)
             if any(p.requires_grad for p in module.parameters(recurse=False)) or (
-                getattr(rule, "claims_subtree", False) and rule.param_names
+                claimed and any(_trainable(_param(module, n)) for n in rule.param_names)
             ):
                 add(name, module, rule)
         # ... then the generic rule (replay.py) for trainable parameters no rule covers,
@@ -389,7 +395,7 @@ class ClippingEngine:
                     f"module {use.name} ({type(module).__name__}) was called without a tensor "
                     "input: the engine has nothing to compute its per-example gradients from"
                 )
-            a = inputs[0]
+            a = use.rule.recorded_input(module, inputs)
             in_nodes = [grad_node(t) for t in inputs]
             edge_node = None
             if getattr(use.rule, "lookup_from_graph", False):

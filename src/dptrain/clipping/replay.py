@@ -51,6 +51,9 @@ class ReplayRule(LayerRule):
     #: module's own code, not by calling the submodules).
     claims_subtree = False
 
+    def claimed_modules(self, module: nn.Module) -> list[nn.Module]:
+        return [m for m in module.modules() if m is not module] if self.claims_subtree else []
+
     def __init__(self, param_names: tuple[str, ...] = ()):
         self.param_names = tuple(param_names)
 

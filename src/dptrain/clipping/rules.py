@@ -67,9 +67,22 @@ class LayerRule(abc.ABC):
         """A reason why this module cannot be clipped exactly, or None."""
         return None
 
+    #: A forward pre-hook ``(module, args, kwargs) -> (args, kwargs) | None`` the engine
+    #: registers on the module, for a rule that must change what the module is called with
+    #: (relative_bias.py gives T5's shared bias an example dimension); None: no pre-hook.
+    forward_pre_hook = None
+
+    def claimed_modules(self, module: nn.Module) -> list[nn.Module]:
+        """Submodules whose parameters this rule covers (they get no rule of their own)."""
+        return []
+
     def output_of(self, module: nn.Module, output: object) -> Tensor | None:
         """The output tensor whose gradient the rule reads (None: the module returned none)."""
         return output if isinstance(output, Tensor) else None
+
+    def recorded_input(self, module: nn.Module, inputs: list[Tensor]) -> Tensor | None:
+        """The tensor recorded as the call's input ``a``: its first tensor argument."""
+        return inputs[0] if inputs else None
 
     def prepare(self, module: nn.Module, a: Tensor) -> Tensor:
         """The captured input reshaped to (B, T, ...) for the methods below."""

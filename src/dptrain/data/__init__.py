@@ -19,7 +19,14 @@
 from dptrain.data.e2e import E2ESplits, load_e2e, read_table_text
 from dptrain.data.mlm import MLMData, load_mlm_data, mask_tokens
 from dptrain.data.news import load_news, news_articles_path, read_news_articles, tokenize
-from dptrain.data.poisson import DPDataLoader, LogicalBatch, PoissonBatchSampler, split_physical
+from dptrain.data.poisson import (
+    ChunkUnits,
+    DPDataLoader,
+    LogicalBatch,
+    PoissonBatchSampler,
+    pack_units,
+    split_physical,
+)
 from dptrain.data.sequences import (
     SequenceData,
     load_interaction_file,
@@ -40,6 +47,7 @@ from dptrain.data.text_classification import (
 from dptrain.data.tokenizer import load_tokenizer, train_tokenizer
 
 __all__ = [
+    "ChunkUnits",
     "DPDataLoader",
     "E2ESplits",
     "LogicalBatch",
@@ -61,6 +69,7 @@ __all__ = [
     "minilm_path",
     "movielens_100k_path",
     "news_articles_path",
+    "pack_units",
     "preprocess_sasrec",
     "read_interactions",
     "read_news_articles",

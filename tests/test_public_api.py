@@ -39,6 +39,7 @@ MODULES = [
     "dptrain.data.news",
     "dptrain.data.text_classification",
     "dptrain.data.e2e",
+    "dptrain.data.lm_records",
     "dptrain.data.mlm",
     "dptrain.data.tokenizer",
     "dptrain.distributed",

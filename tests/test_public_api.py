@@ -17,6 +17,7 @@ MODULES = [
     "dptrain.accounting_demo",
     "dptrain.audit",
     "dptrain.audit.exposure",
+    "dptrain.audit.one_run",
     "dptrain.bench",
     "dptrain.bench.accountants",
     "dptrain.bench.memory",

@@ -4,6 +4,10 @@
 unintended memorization (Carlini et al., 2019), as Li et al. (2022, appendix M)
 run it on E2E. The recipe :mod:`dptrain.recipes.exposure` trains the models
 (``dptrain audit exposure``).
+
+:mod:`dptrain.audit.one_run`: one-run auditing (Steinke et al. 2023; Mahloujifar et al.
+2025), an epsilon lower bound from canary scores; :mod:`dptrain.audit.gradient_canaries`:
+the white-box canaries that produce such scores during a private run.
 """
 
 from dptrain.audit.exposure import (
@@ -21,6 +25,7 @@ from dptrain.audit.exposure import (
     make_canaries,
     skewnorm_logcdf,
 )
+from dptrain.audit.gradient_canaries import GradientCanaries
 from dptrain.audit.one_run import (
     METHODS,
     OneRunAudit,
@@ -41,6 +46,7 @@ __all__ = [
     "MIN_DISTRIBUTION_SAMPLES",
     "Canary",
     "CanarySet",
+    "GradientCanaries",
     "OneRunAudit",
     "SkewNormalFit",
     "candidate_words",

@@ -567,11 +567,7 @@ class ClippingEngine:
                 if norms_sq
                 else torch.zeros(b)  # the losses did not depend on any clipped parameter
             )
-            factors = (
-                flat_factors(total, threshold)
-                if self.clipping == "flat"
-                else automatic_factors(total, threshold, self.gamma * loss_scale)
-            )
+            factors = self.clip_factors(total, loss_scale)
         if self.mode == "ghost":
             self.clear()
             weights = factors if index is None else factors[index.inverse.to(factors.device)]
@@ -584,6 +580,15 @@ class ClippingEngine:
             self._per_example = {}
         self._mark_grads()
         return ClipStats(total.detach() / loss_scale, factors.detach(), self.max_grad_norm)
+
+    def clip_factors(self, norms: Tensor, loss_scale: float = 1.0) -> Tensor:
+        """Flat or automatic clip factors for gradient norms (at C K, K the loss scale)."""
+        if self.clipping == "per_layer":
+            raise ValueError("clipping='per_layer' has a factor per group, not one per norm")
+        threshold = self.max_grad_norm * loss_scale
+        if self.clipping == "flat":
+            return flat_factors(norms, threshold)
+        return automatic_factors(norms, threshold, self.gamma * loss_scale)
 
     def _regrouped(self, records, index: UnitIndex) -> dict[_Use, tuple[Tensor, Tensor]]:
         """The records with one row per unit: its examples' tokens concatenated (units.py)."""
@@ -641,11 +646,7 @@ class ClippingEngine:
             factors, total = self._per_layer_factors(norms_sq, threshold)
         else:
             total = torch.stack(list(norms_sq.values())).sum(0).sqrt()
-            factors = (
-                flat_factors(total, threshold)
-                if self.clipping == "flat"
-                else automatic_factors(total, threshold, self.gamma * loss_scale)
-            )
+            factors = self.clip_factors(total, loss_scale)
         for name, grad in held.items():
             p = self.parameter(name)
             grad = (grad * self._factor_for(name, factors).to(grad.dtype)).to(p.dtype)

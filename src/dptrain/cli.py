@@ -17,6 +17,9 @@
     dptrain study NAME      a language-model study: snr | batch-schedule | weight-decay
                             (masked LM, Anil et al.) or e2e-heatmap (Li et al. Figure 2)
     dptrain audit exposure  canary exposure (Carlini et al.) private vs non-private
+    dptrain audit one-run   one-run audit (Steinke et al.; Mahloujifar et al.): white-box
+                            self-test of the mechanism, or your canaries' scores (exit 1 if
+                            a lower bound exceeds the claimed epsilon)
     dptrain demo            the main job: a short DPFormer experiment on MovieLens-100k
     dptrain accounting-demo the accounting demo (table + plot)
     dptrain bench           dptrain vs non-private and Opacus: step time, memory, largest
@@ -184,8 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("study", choices=list(_STUDIES))
     _add_config_arguments(p)
 
-    p = sub.add_parser("audit", help="measure what leaks: dptrain audit exposure")
-    p.add_argument("audit", choices=["exposure"])
+    p = sub.add_parser(
+        "audit", help="measure what leaks: dptrain audit {exposure,one-run} [key=value ...]"
+    )
+    p.add_argument("audit", choices=["exposure", "one-run"])
+    p.add_argument("--json", action="store_true", help="one-run: print results.json")
     _add_config_arguments(p)
 
     p = sub.add_parser(
@@ -576,6 +582,17 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         return _train(args)
     if args.command == "study":
         return _study(args, command)
+    if args.command == "audit" and args.audit == "one-run":
+        from dptrain.recipes.audit_one_run import load_one_run_config, run_one_run_audit
+
+        cfg = load_one_run_config(args.config, args.overrides)
+        results = run_one_run_audit(cfg, progress=not args.json)
+        if args.json:
+            print(json.dumps(results))
+        else:
+            print((Path(cfg.out) / "table.md").read_text())
+            print(f"results: {cfg.out}/results.json")
+        return 1 if results["flagged"] else 0
     if args.command == "audit":
         from dptrain.recipes.exposure import load_exposure_config, run_exposure_audit
 

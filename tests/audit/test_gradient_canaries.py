@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from dptrain.audit import GradientCanaries
-from dptrain.losses import per_example_cross_entropy
-from dptrain.privacy_engine import make_private
+from dptrain.recipes.audit_one_run import OneRunAuditConfig, whitebox_run
 from tests.audit.faults import clipping_off, ledger_records_half, noise_divided_by
 
 DELTA = 1e-5
@@ -26,37 +25,20 @@ D = 1000  # the classifier is D x D: 10^6 weights
 GDP = "mahloujifar2025-gdp"
 
 
-def audited_run(epsilon, *, fault=None, d=D, m=None, canary_norm=None, noise_multiplier=None, **kw):
-    """(claimed epsilon from the ledger (None without a target), canaries after training);
-    the classifier is d x d, with one canary per weight unless ``m`` is given."""
-    torch.manual_seed(0)
-    model = nn.Linear(d, d, bias=False)
-    data = torch.utils.data.TensorDataset(torch.randn(64, d) / d**0.5, torch.randint(0, d, (64,)))
-    m = d * d if m is None else m
-    target = {"target_epsilon": epsilon} if noise_multiplier is None else {}
+def audited_run(epsilon, *, fault=None, d=D, m=0, canary_norm=0.0, noise_multiplier=0.0, **kw):
+    """(claimed epsilon (None for sigma near 0), canaries) of the recipe's white-box run,
+    a d x d classifier with one canary per weight unless ``m`` is given."""
+    cfg = OneRunAuditConfig(
+        epsilon=epsilon or 1.0,
+        noise_multiplier=noise_multiplier,
+        width=d,
+        canaries=m,
+        canary_norm=canary_norm or 0.0,
+        delta=DELTA,
+        **kw,
+    )
     with fault() if fault else contextlib.nullcontext():
-        private = make_private(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            data,
-            batch_size=kw.pop("batch_size", 64),  # q = 1: full batch
-            max_grad_norm=1.0,
-            steps=kw.pop("steps", 10),
-            target_delta=DELTA,
-            noise_multiplier=noise_multiplier,
-            seed=0,
-            **target,
-            **kw,
-        )
-        canaries = GradientCanaries(model.parameters(), m, norm=canary_norm, seed=1)
-        canaries.attach(private.optimizer)
-        for batch in private.data_loader:
-            private.optimizer.zero_grad()
-            for x, y in batch.chunks:
-                private.backward(per_example_cross_entropy(model(x), y))
-            private.optimizer.step()
-        # (no epsilon for a near-zero noise multiplier: the PLD would not fit in memory)
-        return (private.epsilon() if epsilon is not None else None), canaries
+        return whitebox_run(cfg, progress=False)
 
 
 @pytest.mark.parametrize("epsilon", [1.0, 3.0, 8.0])
@@ -105,7 +87,7 @@ def test_a_non_private_run_gives_a_large_lower_bound():
 
 
 def test_poisson_sampled_run_is_not_flagged():
-    claimed, canaries = audited_run(3.0, batch_size=16, steps=20, m=100_000)
+    claimed, canaries = audited_run(3.0, batch_size="16", steps=20, m=100_000)
     assert canaries.sampled.max() < 20  # the canaries were sampled like records
     assert canaries.audit(DELTA).epsilon <= claimed
 

@@ -709,6 +709,7 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
     history = [_eval_line(0, valid_loss, 0.0 if private else math.inf, {})]
     eps_points: list[tuple[int, float]] = [(0, 0.0)]
     bar = tqdm(total=s.steps, disable=not cfg.progress, desc="lm", unit="step")
+    bar.set_postfix(eps="0.00" if private else "inf", ppl=f"{history[0]['valid_perplexity']:.2f}")
     spent = 0.0
     window: dict[str, Any] = {"loss": 0.0, "tokens": 0, "snr": []}
     examples_seen = tokens_seen = 0

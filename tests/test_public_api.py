@@ -74,6 +74,7 @@ MODULES = [
     "dptrain.recipes.table2text_study",
     "dptrain.recipes.mlm",
     "dptrain.recipes.mlm_studies",
+    "dptrain.recipes.lm_finetune",
     "dptrain.recipes.exposure",
 ]
 

@@ -10,6 +10,8 @@
     dptrain train table2text  GPT-2-style table-to-text on E2E: BLEU / ROUGE-L (greedy, beam)
     dptrain train mlm       BERT-style masked-LM pretraining on news text: mega-batches,
                             growing batch size, gradient-SNR
+    dptrain train lm        DP fine-tuning of a pretrained causal LM (SmolLM2 or a local
+                            folder; LoRA or full) on your records: data=FILE.jsonl|csv|parquet
     dptrain train ... --nproc N   the same run on N local processes (torchrun; seqrec and
                             classify DP-SGD runs)
     dptrain experiment dpformer   the DPFormer Table 1 grid (models x epsilon x seeds)
@@ -153,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train",
-        help="train with a recipe: dptrain train {seqrec,classify,table2text,mlm} [key=value ...]",
+        help="train with a recipe: dptrain train {seqrec,classify,table2text,mlm,lm} [key=value ...]",
     )
     p.add_argument("recipe", choices=list(_TRAIN_RECIPES))
     p.add_argument(
@@ -243,6 +245,19 @@ _TRAIN_RECIPES = {
         "MLMTrainConfig",
         "train_mlm",
         ("epsilon", "delta", "valid_accuracy", "test_accuracy", "steps", "examples_processed"),
+    ),
+    "lm": (
+        "dptrain.recipes.lm_finetune",
+        "LMFinetuneConfig",
+        "train_lm",
+        (
+            "epsilon",
+            "delta",
+            "privacy_unit",
+            "initial_valid_perplexity",
+            "valid_perplexity",
+            "steps",
+        ),
     ),
 }
 #: Recipes that run on several processes (``--nproc``).
@@ -708,8 +723,12 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     if args.recipe == "classify":
         print(results["privacy_scope_detail"])
+    if args.recipe == "lm":
+        print(results["guarantee"])
     print(format_table(keys, [[results.get(k) for k in keys]]))
     print(f"run folder: {cfg.out} (results.json, metrics.jsonl, plots/)")
+    if args.recipe == "lm" and cfg.save_model:
+        print(f"model: {cfg.out}/model (save_pretrained, privacy.json, README.md)")
     return 0
 
 

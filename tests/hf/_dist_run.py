@@ -12,7 +12,9 @@ from typing import Any
 SEED = 13
 
 
-def train_tiny(output_dir: str, per_device_train_batch_size: int) -> dict[str, Any]:
+def train_tiny(
+    output_dir: str, per_device_train_batch_size: int, mode: str = "book_keeping"
+) -> dict[str, Any]:
     """Train the tiny Llama 3 steps (expected batch per_device x 2 x world); rank 0's result."""
     import torch
 
@@ -30,7 +32,9 @@ def train_tiny(output_dir: str, per_device_train_batch_size: int) -> dict[str, A
             optim="adamw_torch",
         ),
         train_dataset=tiny.lm_records(40),
-        privacy_args=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-5, seed=SEED),
+        privacy_args=PrivacyArguments(
+            noise_multiplier=1.0, target_delta=1e-5, seed=SEED, mode=mode
+        ),
     )
     trainer.train()
     return {

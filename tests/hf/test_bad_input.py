@@ -48,6 +48,17 @@ def test_privacy_arguments_refused(kwargs, match):
         PrivacyArguments(**kwargs)
 
 
+def test_privacy_arguments_from_the_command_line():
+    from transformers import HfArgumentParser
+
+    argv = ["--target_epsilon", "3", "--target_delta", "1e-5", "--group_by", "user_id"]
+    parsed, rest = HfArgumentParser(PrivacyArguments).parse_args_into_dataclasses(
+        [*argv, "--output_dir", "out"], return_remaining_strings=True
+    )
+    assert parsed == PrivacyArguments(target_epsilon=3.0, target_delta=1e-5, group_by="user_id")
+    assert rest == ["--output_dir", "out"] and parsed.unit == "user"
+
+
 def _build(tmp_path, *, model=None, records=None, privacy=None, **overrides):
     return DPTrainer(
         model=model if model is not None else tiny.llama(),
@@ -162,3 +173,16 @@ def test_group_by_column_missing(tmp_path):
     privacy = PrivacyArguments(**NOISE, group_by="user_id")
     with pytest.raises(PrivacyArgumentsError, match="group_by='user_id'"):
         _build(tmp_path, privacy=privacy)
+
+
+def test_given_optimizer_must_be_plain_and_match_the_model(tmp_path):
+    model = tiny.llama()
+    partial = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)
+    with pytest.raises(UnsupportedTrainingArgumentsError, match="does not update"):
+        DPTrainer(
+            model=model,
+            args=tiny.training_args(str(tmp_path)),
+            train_dataset=tiny.lm_records(40),
+            privacy_args=PrivacyArguments(**NOISE),
+            optimizers=(partial, None),
+        )

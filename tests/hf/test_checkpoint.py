@@ -64,6 +64,9 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path):
     whole = _trainer(tmp_path / "whole", epsilon=8.0)
     whole.train()
     expected, ledger = _params(whole), whole.privacy.ledger
+    # Trainer's optimizer choice (optim="adamw_torch", its weight-decay groups), made private
+    assert type(whole.privacy.optimizer.original_optimizer) is torch.optim.AdamW
+    assert [g["weight_decay"] for g in whole.privacy.optimizer.param_groups] == [0.0, 0.0]
 
     out = tmp_path / "killed"
     killed = _trainer(out, callbacks=[_KillAt(5)], epsilon=8.0, save_strategy="steps", save_steps=2)

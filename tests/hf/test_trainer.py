@@ -66,19 +66,24 @@ def _reference_params(
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_steps_equal_make_private_with_gradient_accumulation(tmp_path):
+def test_steps_equal_make_private_with_gradient_accumulation(tmp_path, caplog):
     """GA = 2: B = 4 x 2 records per logical batch, chunks of 4; every parameter after 4
     updates equals make_private's with the same seed (same batches, same noise), and the
-    ledger holds one step per optimizer update."""
+    ledger holds one step per optimizer update. Trainer's own clipping is off, with a note."""
     tiny.quiet_transformers()
     records = tiny.lm_records(40)
-    args = tiny.training_args(str(tmp_path), gradient_accumulation_steps=2, max_steps=4)
-    trainer = DPTrainer(
-        model=tiny.llama(),
-        args=args,
-        train_dataset=records,
-        privacy_args=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-5, seed=SEED),
+    args = tiny.training_args(
+        str(tmp_path), gradient_accumulation_steps=2, max_steps=4, max_grad_norm=0.5
     )
+    with caplog.at_level(logging.INFO, logger="dptrain.hf"):
+        trainer = DPTrainer(
+            model=tiny.llama(),
+            args=args,
+            train_dataset=records,
+            privacy_args=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-5, seed=SEED),
+        )
+    assert any("max_grad_norm=0.5 is not applied" in r.message for r in caplog.records)
+    assert trainer.args.max_grad_norm == 0 and trainer.user_args.max_grad_norm == 0.5
     assert trainer.args.gradient_accumulation_steps == 1  # Trainer sees one batch per update
     assert trainer.user_args.gradient_accumulation_steps == 2
     out = trainer.train()
@@ -130,3 +135,19 @@ def test_epsilon_in_every_log_schedule_per_update_and_budget_ends_cleanly(tmp_pa
     assert any("privacy budget spent" in r.message for r in caplog.records)
     with pytest.raises(DPTrainerError, match="already called"):
         trainer.train()
+
+
+def test_an_optimizer_given_to_trainer_is_the_one_made_private(tmp_path):
+    tiny.quiet_transformers()
+    model = tiny.llama()
+    mine = torch.optim.Adam(model.parameters(), lr=0.01)
+    trainer = DPTrainer(
+        model=model,
+        args=tiny.training_args(str(tmp_path), max_steps=2),
+        train_dataset=tiny.lm_records(40),
+        privacy_args=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-5, seed=SEED),
+        optimizers=(mine, None),
+    )
+    trainer.train()
+    assert trainer.privacy.optimizer.original_optimizer is mine
+    assert all(s["step"] == 2 for s in mine.state.values())  # two updates, both Adam's

@@ -2,10 +2,12 @@
 
     privacy_args = PrivacyArguments(target_epsilon=8, target_delta=1e-5, max_grad_norm=1.0)
 
-A dataclass with ``help`` metadata, so ``HfArgumentParser((TrainingArguments,
-PrivacyArguments))`` reads it from the command line like the training arguments.
-Every field is checked when the object is built (:class:`PrivacyArgumentsError`
-names the field, its value and what is allowed).
+A dataclass with ``help`` metadata, so ``HfArgumentParser(PrivacyArguments)`` reads it
+from the command line. It shares ``max_grad_norm`` and ``seed`` with TrainingArguments
+(with other meanings: the per-example clipping norm, the sampling and noise seed), so
+one parser cannot hold both: parse each with ``return_remaining_strings=True``. Every
+field is checked when the object is built (:class:`PrivacyArgumentsError` names the
+field, its value and what is allowed).
 """
 
 from __future__ import annotations

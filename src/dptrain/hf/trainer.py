@@ -90,7 +90,8 @@ from dptrain.hf.losses import (
 )
 from dptrain.hf.plan import PrivacyPlan, make_plan
 from dptrain.hf.report import privacy_report, write_privacy_report
-from dptrain.privacy_engine import PrivateTraining
+from dptrain.optim import DPOptimizer
+from dptrain.privacy_engine import PrivateTraining, check_optimizer_matches
 
 __all__ = ["DPTrainer"]
 
@@ -329,6 +330,8 @@ class DPTrainer(Trainer):
             **kwargs,
         )
         self._user_optimizer = self.optimizer
+        if self.optimizer is not None:
+            self._check_given_optimizer(self.optimizer)
         self._task = task_of(self.model)
         self._label_keys = self._check_labels(train_dataset)
         self._probe_engine(train_dataset)
@@ -379,6 +382,19 @@ class DPTrainer(Trainer):
                     "dataloader would replace the Poisson sampling the accountant assumes"
                 )
 
+    def _check_given_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizers=(opt, ...)``: a plain optimizer of exactly the trainable parameters."""
+        if isinstance(optimizer, DPOptimizer):
+            raise UnsupportedTrainingArgumentsError(
+                "optimizers=(DPOptimizer, ...) is not allowed: DPTrainer makes the optimizer "
+                "private itself; pass the plain optimizer (a second wrapper would add the "
+                "noise twice)"
+            )
+        try:
+            check_optimizer_matches(self.model, optimizer)
+        except ValueError as exc:
+            raise UnsupportedTrainingArgumentsError(f"optimizers=: {exc}") from None
+
     def _training_collator(self) -> Any:
         collate = self._get_collator_with_removed_columns(
             self.data_collator, description="training"
@@ -421,8 +437,9 @@ class DPTrainer(Trainer):
             self.model, plan.max_grad_norm, clipping=plan.clipping, mode=plan.mode
         )
         was_training = self.model.training
+        device = self.args.device
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 self.model.train()
                 chunk = self._prepare_inputs(self._training_collator()([dataset[0]]))
                 engine.backward(self.compute_per_example_loss(self.model, chunk))
@@ -663,8 +680,9 @@ class DPTrainer(Trainer):
         else:
             super().log(logs, start_time)
 
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
+    def _save_checkpoint(self, model: nn.Module, trial: Any, *args: Any, **kwargs: Any) -> None:
+        # (*args: transformers 4.x also passes the evaluation metrics.)
+        super()._save_checkpoint(model, trial, *args, **kwargs)
         if self.privacy is None or not self.args.should_save:
             return
         # The folder Trainer just wrote (named as Trainer._save_checkpoint names it).

@@ -1,7 +1,8 @@
 """LoRA fine-tuning of SmolLM2 with the Hugging Face Trainer, made differentially private.
 
-This is a stock transformers + peft script. Making it private changes three lines
-(marked ``# DP`` below):
+This is a stock transformers + peft script. Making it private means importing DPTrainer,
+building it instead of Trainer and giving it the privacy arguments (the lines marked
+``# DP`` below):
 
     -from transformers import Trainer
     +from dptrain.hf import DPTrainer, PrivacyArguments                           # DP

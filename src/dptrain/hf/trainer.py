@@ -7,7 +7,7 @@ noise once per update, a ledger of every step).
     trainer.train()
     trainer.save_model()          # weights + privacy.json + a model-card section
 
-How it sits in Trainer's loop (transformers 4.4x-5.x), and why
+How it sits in Trainer's loop (read against transformers 5.23), and why
 ------------------------------------------------------------------
 
 * **One logical batch per Trainer "batch".** The logical batch is Poisson-sampled with

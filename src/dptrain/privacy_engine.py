@@ -35,6 +35,7 @@ from dptrain.accounting import (
 )
 from dptrain.clipping.engine import ClippingEngine, ClipStats
 from dptrain.data import ChunkUnits, DPDataLoader, LogicalBatch
+from dptrain.data.hf_datasets import with_torch_rows
 from dptrain.data.poisson import group_records
 from dptrain.optim import DPOptimizer
 
@@ -180,7 +181,8 @@ def make_private(
     """Make ``model``, ``optimizer`` and ``data`` private (DP-SGD / DP-Adam with Poisson sampling).
 
     Args:
-        data: a map-style Dataset, or a DataLoader whose dataset (and collate_fn) are used.
+        data: a map-style Dataset (a ``datasets.Dataset`` too: without ``collate_fn`` its
+            rows are read as tensors), or a DataLoader whose dataset (and collate_fn) are used.
         batch_size: the expected logical batch size B (q = B / N), or a function
             step -> B for a growing batch size (Anil et al. 2021; needs ``steps``):
             calibration and the ledger then follow the schedule step by step.
@@ -206,6 +208,9 @@ def make_private(
     dataset = getattr(data, "dataset", data)
     if collate_fn is None and isinstance(data, torch.utils.data.DataLoader):
         collate_fn = data.collate_fn
+    if collate_fn is None:
+        # default_collate would transpose a datasets.Dataset's list columns
+        dataset = with_torch_rows(dataset)
     if privacy_unit is None:
         privacy_unit = "example" if user_ids is None else "user"
     if user_ids is not None and privacy_unit == "example":

@@ -13,15 +13,25 @@ SEED = 13
 
 
 def train_tiny(
-    output_dir: str, per_device_train_batch_size: int, mode: str = "book_keeping"
+    output_dir: str,
+    per_device_train_batch_size: int,
+    mode: str = "book_keeping",
+    group_by: bool = False,
 ) -> dict[str, Any]:
-    """Train the tiny Llama 3 steps (expected batch per_device x 2 x world); rank 0's result."""
+    """Train the tiny Llama 3 steps (expected batch per_device x 2 x world); rank 0's result.
+    ``group_by``: user-level DP, the records of the user-level test (12 users, 1-6 records)."""
     import torch
 
     from dptrain.hf import DPTrainer, PrivacyArguments
     from tests.hf import tiny
 
     tiny.quiet_transformers()
+    if group_by:
+        from tests.hf.test_user_level import _as_dataset, _user_records
+
+        dataset = _as_dataset(_user_records())
+    else:
+        dataset = tiny.lm_records(40)
     trainer = DPTrainer(
         model=tiny.llama(),
         args=tiny.training_args(
@@ -31,9 +41,13 @@ def train_tiny(
             max_steps=3,
             optim="adamw_torch",
         ),
-        train_dataset=tiny.lm_records(40),
+        train_dataset=dataset,
         privacy_args=PrivacyArguments(
-            noise_multiplier=1.0, target_delta=1e-5, seed=SEED, mode=mode
+            noise_multiplier=1.0,
+            target_delta=1e-5,
+            seed=SEED,
+            mode=mode,
+            group_by="user_id" if group_by else None,
         ),
     )
     trainer.train()

@@ -35,3 +35,18 @@ def test_two_processes_equal_one_process(tmp_path):
         # ... and they are the one-process run's up to the order of the sums: noise drawn
         # once, on rank 0 (twice would move them by ~sqrt(2) noise, ~1e-2 here)
         torch.testing.assert_close(ranks[0]["params"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_two_processes_user_level_equal_one_process(tmp_path):
+    # Each rank takes whole users of the shared batch (4 of 12 users expected per step).
+    args = (str(tmp_path / "two"), 1, "book_keeping", True)
+    ranks = spawn(train_tiny, 2, args=args, timeout=60, join_timeout=300)
+    one = train_tiny(str(tmp_path / "one"), 2, "book_keeping", True)
+    for r in ranks:
+        assert r["ledger"] == one["ledger"]
+        assert r["ledger"]["privacy_unit"] == "user"
+        assert r["ledger"]["segments"] == [
+            {"sample_rate": 4 / 12, "noise_multiplier": 1.0, "count": 3}
+        ]
+    for name, value in one["params"].items():
+        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=0, atol=1e-6, msg=name)

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dptrain._checks import check_int
-from dptrain.data.poisson import DPDataLoader, LogicalBatch, PoissonBatchSampler, split_physical
+from dptrain.data.poisson import (
+    DPDataLoader,
+    LogicalBatch,
+    PoissonBatchSampler,
+    pack_units,
+    split_physical,
+)
 from dptrain.distributed.context import _rank_and_world
 
 __all__ = ["DistributedDPDataLoader", "RankBatch", "shard_indices"]
@@ -175,6 +181,8 @@ class DistributedDPDataLoader:
         self.dataset_size = loader.dataset_size
         self.collate_fn = loader.collate_fn
         self.sampler: PoissonBatchSampler = loader.sampler
+        # user-level DP: the sampler draws units (users), each rank takes whole units
+        self.unit_members = getattr(loader, "unit_members", None)
 
     @property
     def seed(self) -> int | None:
@@ -189,18 +197,35 @@ class DistributedDPDataLoader:
         for indices in self.sampler:  # the global batch, the same on every rank
             step = self.sampler.steps_drawn - 1
             mine = shard_indices(indices, self.rank, self.world_size)
-            chunks = [
-                self.collate_fn([self.dataset[i] for i in chunk])
-                for chunk in split_physical(mine, self.max_physical_batch_size)
-            ]
+            q = self.sampler.sample_rate_at(step)
+            if self.unit_members is None:
+                chunks = [
+                    self.collate_fn([self.dataset[i] for i in chunk])
+                    for chunk in split_physical(mine, self.max_physical_batch_size)
+                ]
+                yield RankBatch(
+                    chunks=chunks,
+                    size=len(mine),
+                    sample_rate=q,
+                    step=step,
+                    global_size=len(indices),
+                    rank=self.rank,
+                    world_size=self.world_size,
+                )
+                continue
+            # whole users per rank, packed into this rank's chunks (a user's records never
+            # straddle ranks, so each rank clips its users' sums exactly)
+            packed = pack_units([self.unit_members[u] for u in mine], self.max_physical_batch_size)
             yield RankBatch(
-                chunks=chunks,
-                size=len(mine),
-                sample_rate=self.sampler.sample_rate_at(step),
+                chunks=[self.collate_fn([self.dataset[i] for i in recs]) for recs, _ in packed],
+                size=sum(len(recs) for recs, _ in packed),
+                sample_rate=q,
                 step=step,
-                global_size=len(indices),
+                global_size=sum(len(self.unit_members[u]) for u in indices),
                 rank=self.rank,
                 world_size=self.world_size,
+                units=[units for _, units in packed],
+                num_units=len(mine),
             )
 
     def __len__(self) -> int:

@@ -10,6 +10,7 @@ parameters and buffers.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +51,8 @@ def make_private_distributed(
     global_physical_batch_size: int | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     seed: int | None = None,
-    privacy_unit: str = "example",
+    privacy_unit: str | None = None,
+    user_ids: Any = None,
     ledger: PrivacyLedger | None = None,
     group: Any = None,
     bucket_cap_mb: float = 25.0,
@@ -60,6 +62,8 @@ def make_private_distributed(
     The arguments are :func:`~dptrain.make_private`'s, with:
 
     Args:
+        user_ids: user-level DP as in :func:`~dptrain.make_private`: the same ids on
+            every rank; the sampled users are shared out whole among the ranks.
         batch_size: the expected size B of the whole logical batch (all ranks
             together), or a schedule step -> B; q = B / N.
         max_physical_batch_size: most records one rank puts through the model
@@ -102,8 +106,11 @@ def make_private_distributed(
         "global_physical_batch_size": global_physical_batch_size,
         "seed": seed,
         "privacy_unit": privacy_unit,
+        "user_ids": None if user_ids is None else _digest_ids(user_ids),
         "bucket_cap_mb": bucket_cap_mb,
     }
+    if privacy_unit is None:
+        privacy_unit = "example" if user_ids is None else "user"
     # 1. Agree on the configuration, the seed and the ledger (one all-gather).
     local_error: BaseException | None = None
     fingerprint: dict[str, str] = {}
@@ -150,6 +157,7 @@ def make_private_distributed(
             collate_fn=collate_fn,
             seed=shared_seed,
             privacy_unit=privacy_unit,
+            user_ids=user_ids,
             ledger=local_ledger,
         )
         base_opt = private.optimizer
@@ -179,6 +187,8 @@ def make_private_distributed(
             target_delta=private.target_delta,
             accountant=private.accountant,
             steps=private.steps,
+            privacy_unit=private.privacy_unit,
+            by_user=private.by_user,
         )
         resolved = {
             "noise_multiplier (resolved)": repr(private.noise_multiplier),
@@ -211,3 +221,12 @@ def make_private_distributed(
             result.data_loader.loader.max_physical_batch_size,
         )
     return result
+
+
+def _digest_ids(user_ids: Any) -> str:
+    """A short digest of the user ids, so that ranks can check they were given the same."""
+    h = hashlib.sha256()
+    for u in user_ids:
+        h.update(repr(u.item() if hasattr(u, "item") else u).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]

@@ -246,7 +246,6 @@ class DPTrainer(Trainer):
         PrivacyArgumentsError, SamplingConflictError, UnsupportedTrainingArgumentsError,
         NoiseMultiplierTooLargeError, MissingLabelsError, and the engine's
         UnsupportedModelError for a model it cannot clip exactly.
-        NotImplementedError: group_by with several processes.
 
     Attributes:
         privacy_plan: the :class:`~dptrain.hf.plan.PrivacyPlan` (q, steps, sigma, ...).
@@ -294,12 +293,6 @@ class DPTrainer(Trainer):
             unit_ids = column_values(train_dataset, privacy_args.group_by)
             num_units = len(group_records(unit_ids, num_records, f"column {privacy_args.group_by}"))
         world_size = args.world_size
-        if world_size > 1 and unit_ids is not None:
-            raise NotImplementedError(
-                f"group_by={privacy_args.group_by!r} with world_size={world_size}: user-level "
-                "DP over several processes needs make_private_distributed(user_ids=...), which "
-                "dptrain.distributed does not have yet; train user-level DP in one process"
-            )
         plan = make_plan(
             privacy_args,
             num_units=num_units,
@@ -491,7 +484,9 @@ class DPTrainer(Trainer):
             "privacy_unit": plan.privacy_unit,
         }
         if plan.world_size > 1:
-            private = make_private_distributed(self.model, optimizer, self.train_dataset, **common)
+            private = make_private_distributed(
+                self.model, optimizer, self.train_dataset, user_ids=self._unit_ids, **common
+            )
         else:
             private = make_private(
                 self.model, optimizer, self.train_dataset, user_ids=self._unit_ids, **common

@@ -5,7 +5,10 @@ Each is a context manager that patches one piece of dptrain the way a bug would:
 - ``noise_divided_by(k)``: the optimizer adds noise of std sigma C / k, the ledger
   still records sigma;
 - ``clipping_off()``: every clip factor is 1 (examples and canaries go in unclipped);
-- ``ledger_records_half()``: the ledger records every other step only.
+- ``ledger_records_half()``: the ledger records every other step only;
+- ``rows_mixed()``: the engine reads every token as an example of its own (the
+  shape-coincidence bug: rows that are not examples), with its exact checks off, as
+  the engine before the independence and self-checks was.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from dptrain.accounting import PrivacyLedger
-from dptrain.clipping import ClippingEngine
+from dptrain.clipping import ClippingEngine, independence, self_check
 from dptrain.optim import DPOptimizer
 
 
@@ -67,8 +70,27 @@ def ledger_records_half() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def rows_mixed() -> Iterator[None]:
+    original = ClippingEngine._records
+
+    def _records(self, active, live, grads, b):
+        records = original(self, active, live, grads, b)
+        return {
+            use: (a.reshape(-1, 1, *a.shape[2:]), g.reshape(-1, 1, *g.shape[2:]))
+            for use, (a, g) in records.items()
+        }
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ClippingEngine, "_records", _records)
+        mp.setattr(self_check, "run", lambda *args, **kwargs: None)
+        mp.setattr(independence, "run", lambda *args, **kwargs: None)
+        yield
+
+
 FAULTS = {
     "noise/4": lambda: noise_divided_by(4.0),
     "clipping off": clipping_off,
     "ledger half": ledger_records_half,
+    "rows mixed": rows_mixed,
 }

@@ -46,9 +46,17 @@ def test_your_own_scores_are_audited_and_a_leak_is_flagged(tmp_path, capsys):
     assert "FLAGGED" in capsys.readouterr().out
 
 
+def test_blackbox_self_test_runs(tmp_path, capsys):
+    argv = ["audit", "one-run", "mode=blackbox", "width=32", "classes=64", "canaries=400"]
+    assert main([*argv, "steps=3", f"out={tmp_path}", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["setting"].startswith("black-box") and results["audits"][0]["m"] == 400
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
+        ("mode=grey", "mode='grey' is not allowed"),
         ("batch_size=abc", "batch_size='abc' is not allowed"),
         ("canaries=20000", "canaries=20000 is not allowed"),
         ("confidence=1.5", "confidence"),

@@ -1,6 +1,6 @@
 """Recipe: the one-run privacy audit (``dptrain audit one-run``).
 
-Two uses, one report:
+Three uses, one report:
 
 - **white-box self-test** (default): train the reference setting with dptrain's own
   ``make_private`` and ``m`` Dirac canary gradients
@@ -13,6 +13,10 @@ Two uses, one report:
   bound above the claim proves that this installation does not do what the
   accountant assumes. ``batch_size=N`` (an integer) audits Poisson-sampled
   steps instead (then only Steinke et al.'s analysis is valid).
+- **black-box self-test** (``mode=blackbox``): canary *inputs* (bags of ``tokens``
+  copies of a random vector, random labels) in the training data of a zero-initialised
+  bag-of-tokens linear classifier, scored by their loss on the final model; this
+  passes through the whole pipeline, the engine's per-example rows included.
 - **your own canaries**: ``scores=FILE`` (CSV or JSONL with columns ``score`` and
   ``included``, one row per canary, from any pipeline) skips the training and
   audits those scores against ``claimed_epsilon``.
@@ -43,23 +47,40 @@ from dptrain.config import ConfigError, load_config, save_config
 from dptrain.losses import per_example_cross_entropy
 from dptrain.privacy_engine import make_private
 
-__all__ = ["OneRunAuditConfig", "load_one_run_config", "run_one_run_audit", "whitebox_run"]
+__all__ = [
+    "MODES",
+    "BagClassifier",
+    "OneRunAuditConfig",
+    "blackbox_run",
+    "load_one_run_config",
+    "run_one_run_audit",
+    "whitebox_run",
+]
+
+MODES = ("whitebox", "blackbox")
 
 
 @dataclass
 class OneRunAuditConfig:
     """``dptrain audit one-run`` settings (``key=value`` overrides)."""
 
+    mode: str = "whitebox"
+    """``whitebox`` (canary gradients, every noised sum observed) or ``blackbox`` (canary
+    inputs in the training data, scored by their loss on the final model)."""
     epsilon: float = 8.0
-    """Target epsilon of the white-box run (sigma calibrated by ``accountant``)."""
+    """Target epsilon of the run (sigma calibrated by ``accountant``)."""
     noise_multiplier: float = 0.0
     """sigma given directly instead of ``epsilon`` (0: calibrate to ``epsilon``)."""
     delta: float = 1e-5
     steps: int = 10
-    width: int = 1000
-    """The classifier is width x width: width^2 coordinates for canaries."""
+    width: int = 0
+    """Input width d (0: 1000 white-box, where the classifier is d x d; 512 black-box)."""
+    classes: int = 1024
+    """Black-box: number of classes of the bag-of-tokens classifier."""
+    tokens: int = 4
+    """Black-box: tokens per example (a canary repeats one vector)."""
     canaries: int = 0
-    """m; 0: one per weight (width^2)."""
+    """m; 0: one per weight (width^2) white-box, 10,000 black-box."""
     examples: int = 64
     batch_size: str = "full"
     """``full`` (q = 1) or the expected batch size (Poisson sampling)."""
@@ -80,6 +101,14 @@ def load_one_run_config(
 ) -> OneRunAuditConfig:
     """Defaults, then the YAML ``path``, then ``key=value`` overrides; values checked."""
     cfg = load_config(OneRunAuditConfig, path, overrides)
+    if cfg.mode not in MODES:
+        raise ConfigError(f"mode={cfg.mode!r} is not allowed: expected one of {MODES}")
+    if cfg.width == 0:
+        cfg.width = 1000 if cfg.mode == "whitebox" else 512
+    if cfg.canaries == 0 and cfg.mode == "blackbox":
+        cfg.canaries = 10_000
+    check_int("classes", cfg.classes, 2)
+    check_int("tokens", cfg.tokens, 1)
     check_positive("epsilon", cfg.epsilon)
     check_in_interval("noise_multiplier", cfg.noise_multiplier, 0.0, math.inf, low_open=False)
     check_in_interval("delta", cfg.delta, 0.0, 1.0)
@@ -98,7 +127,7 @@ def load_one_run_config(
                 f"batch_size={cfg.batch_size!r} is not allowed: expected 'full' or an expected "
                 f"batch size in [1, examples={cfg.examples}]"
             )
-    if cfg.canaries > cfg.width**2:
+    if cfg.mode == "whitebox" and cfg.canaries > cfg.width**2:
         raise ConfigError(
             f"canaries={cfg.canaries} is not allowed: the classifier has width^2 = "
             f"{cfg.width**2} coordinates, one per canary"
@@ -115,7 +144,7 @@ def whitebox_run(
 ) -> tuple[float | None, GradientCanaries]:
     """Train the reference setting with canaries: (epsilon the ledger claims, canaries)."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    d = cfg.width
+    d = cfg.width or 1000
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = nn.Linear(d, d, bias=False)
@@ -153,6 +182,81 @@ def whitebox_run(
     return claimed, canaries
 
 
+class BagClassifier(nn.Module):
+    """Linear softmax classifier of a bag of token vectors: logits = sum_t W x_t.
+
+    Zero-initialised: the final model is then the sum of the noised updates alone, so a
+    canary's loss is not buried under the random initialisation's (a black-box auditor
+    of a real model would score against reference models instead, as LiRA does).
+    """
+
+    def __init__(self, width: int, classes: int):
+        super().__init__()
+        self.proj = nn.Linear(width, classes, bias=False)
+        nn.init.zeros_(self.proj.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, classes)
+        return self.proj(x).sum(1)
+
+
+def blackbox_run(
+    cfg: OneRunAuditConfig, progress: bool = True
+) -> tuple[float | None, np.ndarray, np.ndarray]:
+    """Train with canary inputs: (epsilon the ledger claims, scores, included).
+
+    Canary j is ``tokens`` copies of a random vector of norm 2 with a random label
+    (norm 2: each token's gradient alone exceeds C, so clipping per token instead of
+    per example would let a canary in ``tokens`` times); each is in the training data
+    with probability 1/2, beside ``examples`` records drawn the same way. Its score is
+    minus its loss on the final model.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed)
+    d, t, m = cfg.width or 512, cfg.tokens, cfg.canaries or 10_000
+
+    def bags(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        v = torch.randn(n, d, generator=gen)
+        v = 2.0 * v / v.norm(dim=1, keepdim=True)
+        return v[:, None, :].expand(n, t, d).contiguous(), torch.randint(
+            0, cfg.classes, (n,), generator=gen
+        )
+
+    x_real, y_real = bags(cfg.examples)
+    x_can, y_can = bags(m)
+    included = torch.rand(m, generator=gen, dtype=torch.float64) < 0.5
+    x = torch.cat([x_real, x_can[included]])
+    y = torch.cat([y_real, y_can[included]])
+    model = BagClassifier(d, cfg.classes)
+    batch = len(x) if cfg.batch_size == "full" else int(cfg.batch_size)
+    private = make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        torch.utils.data.TensorDataset(x, y),
+        batch_size=batch,
+        max_grad_norm=1.0,
+        steps=cfg.steps,
+        target_epsilon=None if cfg.noise_multiplier else cfg.epsilon,
+        noise_multiplier=cfg.noise_multiplier or None,
+        target_delta=cfg.delta,
+        accountant=cfg.accountant,
+        seed=cfg.seed,
+        max_physical_batch_size=2048,
+    )
+    try:
+        bar = tqdm(private.data_loader, desc="black-box run", disable=not progress)
+        for logical in bar:
+            private.optimizer.zero_grad()
+            for xb, yb in logical.chunks:
+                private.backward(per_example_cross_entropy(model(xb), yb))
+            private.optimizer.step()
+            bar.set_postfix(step=private.optimizer.steps_taken)
+    finally:
+        private.engine.detach()
+    claimed = private.epsilon() if cfg.noise_multiplier == 0 or cfg.noise_multiplier > 0.1 else None
+    with torch.no_grad():
+        scores = -per_example_cross_entropy(model(x_can), y_can)
+    return claimed, scores.double().numpy(), included.numpy()
+
+
 def _read_scores(path: str) -> tuple[np.ndarray, np.ndarray]:
     import pandas as pd
 
@@ -182,6 +286,14 @@ def run_one_run_audit(cfg: OneRunAuditConfig, progress: bool = True) -> dict[str
     if cfg.scores:
         scores, included = _read_scores(cfg.scores)
         claimed, separation, setting = cfg.claimed_epsilon, None, f"scores from {cfg.scores}"
+    elif cfg.mode == "blackbox":
+        claimed, scores, included = blackbox_run(cfg, progress)
+        separation = None
+        setting = (
+            f"black-box: bag-of-{cfg.tokens}-tokens linear classifier ({cfg.width} -> "
+            f"{cfg.classes}), {cfg.examples} examples + canaries, {cfg.steps} steps, batch "
+            f"{cfg.batch_size}, {len(scores)} canary inputs scored by loss"
+        )
     else:
         claimed, canaries = whitebox_run(cfg, progress)
         scores, included = canaries.scores.numpy(), canaries.included.numpy()

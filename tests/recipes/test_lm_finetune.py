@@ -8,6 +8,7 @@ seconds without the packaged SmolLM2; one slow test runs 2 steps on SmolLM2 itse
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -430,3 +431,15 @@ def test_two_lora_steps_on_smollm2_cut_to_two_layers(files, tmp_path):
     assert math.isfinite(results["valid_perplexity"])
     privacy = _read(tmp_path / "run" / "model" / "privacy.json")
     assert privacy["base_model"] == "smollm2-135m-instruct (first 2 decoder layers)"
+
+
+def test_audit_section_in_results(files, tmp_path):
+    cfg = _cfg(files, tmp_path / "run", steps=3, eval_every=3, num_generations=0)
+    cfg = dataclasses.replace(cfg, audit=True, audit_canaries=2000, save_model=False)
+    results = train_lm(cfg)
+    audit = results["audit"]
+    assert audit["canaries"] == 2000 and audit["steps_observed"] == 3
+    assert set(audit["lower_bounds"]) == {"steinke2023"}  # Poisson steps: not Gaussian
+    assert not audit["flagged"] and audit["claimed_epsilon"] == results["epsilon"]
+    with pytest.raises(ValueError, match="audit=true is not allowed with a non-private run"):
+        dataclasses.replace(cfg, private=False)

@@ -167,6 +167,35 @@ class GradientCanaries:
             method=method,
         )
 
+    def report(
+        self, claimed_epsilon: float, delta: float, ledger: Any, confidence: float = 0.95
+    ) -> dict[str, Any]:
+        """The audit section of a recipe's ``results.json``.
+
+        Steinke et al.'s bound always; the Gaussian f-DP one only where every step of the
+        ``ledger`` has q = 1 (full batches: the per-canary mechanism is then exactly
+        Gaussian, so its epsilon is a valid lower bound; under Poisson sampling it is not).
+        """
+        full_batch = all(seg.sample_rate == 1.0 for seg in ledger.segments)
+        methods = ["steinke2023", "mahloujifar2025-gdp"] if full_batch else ["steinke2023"]
+        audits = [self.audit(delta, confidence, method=m) for m in methods]
+        return {
+            "kind": "white-box one-run audit (Dirac canary gradients, Steinke et al. 2023)",
+            "canaries": self.m,
+            "steps_observed": self.steps,
+            "claimed_epsilon": claimed_epsilon,
+            "delta": delta,
+            "confidence": confidence,
+            "lower_bounds": {a.method: a.epsilon for a in audits},
+            "flagged": any(a.epsilon > claimed_epsilon for a in audits),
+            "separation": self.separation(),
+            "note": (
+                "the canaries were added to this run's updates (each included one on one "
+                "coordinate, like one more clipped record): audit a run, ship one trained "
+                "without audit=true"
+            ),
+        }
+
     def separation(self) -> float:
         """(mean score in - mean score out) / (sd of the scores out): how far apart the two
         groups are, in noise units (a diagnostic; sqrt(T)/sigma for full-batch steps)."""

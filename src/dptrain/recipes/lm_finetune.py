@@ -80,6 +80,7 @@ from dptrain.accounting import (
     make_accountant,
     steps_from_epochs,
 )
+from dptrain.audit.gradient_canaries import GradientCanaries
 from dptrain.clipping.engine import CLIPPING_MODES
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS
 from dptrain.config import save_config
@@ -209,6 +210,11 @@ class LMFinetuneConfig:
     """torch threads for this run; 0 leaves torch's default."""
     seed: int | None = None
     """null: sampling and noise seeded from the OS (see the module docstring)."""
+    audit: bool = False
+    """Run the white-box one-run audit on this run (dptrain.audit.GradientCanaries): its
+    lower bounds go to results.json's ``audit`` section; the canaries are in the model."""
+    audit_canaries: int = 100_000
+    """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/lm"
     save_model: bool = True
     progress: bool = True
@@ -224,6 +230,7 @@ class LMFinetuneConfig:
         check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
         check_choice("clipping", self.clipping, CLIPPING_FUNCTIONS)
         check_choice("mode", self.mode, CLIPPING_MODES)
+        check_int("audit_canaries", self.audit_canaries, 2)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_int("max_length", self.max_length, 2)
@@ -283,6 +290,11 @@ class LMFinetuneConfig:
             check_choice("delta", self.delta, DELTA_RULES)
         else:
             check_in_interval("delta", self.delta, 0.0, 1.0)
+        if self.audit and not self.is_private:
+            raise ValueError(
+                "audit=true is not allowed with a non-private run (private=false or epsilon="
+                "inf): the audit measures the noise and clipping such a run does not add"
+            )
         if sigma is None:
             return
         check_positive("noise_multiplier", sigma)
@@ -678,6 +690,11 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
     model, tokenizer, valid = s.model, s.tokenizer, s.valid
     ledger = PrivacyLedger(privacy_unit=cfg.privacy_unit)
     batches, opt, backward, engine = _batches_and_optimizer(cfg, s, ledger)
+    canaries = None
+    if cfg.audit and private:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        m = min(cfg.audit_canaries, sum(p.numel() for p in trainable))
+        canaries = GradientCanaries(trainable, m, seed=(cfg.seed or 0) + 1).attach(opt)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_lambda(s.steps, cfg.lr_schedule, cfg.warmup_steps)
     )
@@ -838,6 +855,8 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         "wall_time_s": time.perf_counter() - t0,
         "guarantee": privacy["guarantee"],
     }
+    if canaries is not None:
+        results["audit"] = canaries.report(results["epsilon"], s.delta, ledger)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     _plot(history, eps_points, cfg, private, out / "plots")
     if cfg.save_model:

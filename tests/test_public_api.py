@@ -19,6 +19,7 @@ MODULES = [
     "dptrain.audit",
     "dptrain.audit.exposure",
     "dptrain.audit.one_run",
+    "dptrain.audit.lira",
     "dptrain.bench",
     "dptrain.bench.accountants",
     "dptrain.bench.memory",
@@ -86,6 +87,7 @@ MODULES = [
     "dptrain.recipes.mlm_studies",
     "dptrain.recipes.lm_finetune",
     "dptrain.recipes.exposure",
+    "dptrain.recipes.audit_mia",
 ]
 
 

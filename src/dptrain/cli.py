@@ -22,6 +22,9 @@
     dptrain audit one-run   one-run audit (Steinke et al.; Mahloujifar et al.): white-box
                             self-test of the mechanism, or your canaries' scores (exit 1 if
                             a lower bound exceeds the claimed epsilon)
+    dptrain audit mia       membership inference (LiRA, loss threshold) on shadow linear
+                            probes of frozen MiniLM features: TPR at 0.1% / 1% FPR, ROC plot
+                            (exit 1 if a TPR exceeds what the epsilon allows)
     dptrain demo            the main job: a short DPFormer experiment on MovieLens-100k
     dptrain accounting-demo the accounting demo (table + plot)
     dptrain bench           dptrain vs non-private and Opacus: step time, memory, largest
@@ -190,10 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(p)
 
     p = sub.add_parser(
-        "audit", help="measure what leaks: dptrain audit {exposure,one-run} [key=value ...]"
+        "audit", help="measure what leaks: dptrain audit {exposure,one-run,mia} [key=value ...]"
     )
-    p.add_argument("audit", choices=["exposure", "one-run"])
-    p.add_argument("--json", action="store_true", help="one-run: print results.json")
+    p.add_argument("audit", choices=["exposure", "one-run", "mia"])
+    p.add_argument("--json", action="store_true", help="one-run, mia: print results.json")
     _add_config_arguments(p)
 
     p = sub.add_parser(
@@ -608,6 +611,19 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             print((Path(cfg.out) / "table.md").read_text())
             print(f"results: {cfg.out}/results.json")
         return 1 if results["flagged"] else 0
+    if args.command == "audit" and args.audit == "mia":
+        from dptrain.recipes.audit_mia import load_mia_config, run_mia_audit
+
+        cfg = load_mia_config(args.config, args.overrides)
+        if args.json:
+            cfg.progress = False  # stdout is the JSON; the bar would only add noise to stderr
+        results = run_mia_audit(cfg)
+        if args.json:
+            print(json.dumps(results))
+        else:
+            print((Path(cfg.out) / "table.md").read_text())
+            print(f"plot: {cfg.out}/roc.png; results: {cfg.out}/results.json")
+        return 1 if results["mia"]["flagged"] else 0
     if args.command == "audit":
         from dptrain.recipes.exposure import load_exposure_config, run_exposure_audit
 

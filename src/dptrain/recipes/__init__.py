@@ -20,6 +20,9 @@
   on the user's records (``dptrain train lm``).
 - :mod:`dptrain.recipes.exposure`: canary exposure, private vs non-private
   (``dptrain audit exposure``).
+- :mod:`dptrain.recipes.audit_one_run`: the one-run privacy audit
+  (``dptrain audit one-run``); :mod:`dptrain.recipes.audit_mia`: membership
+  inference (LiRA) on shadow linear probes (``dptrain audit mia``).
 
 The YAML files in ``configs/`` are the packaged settings (:func:`configs_dir`).
 """

@@ -8,11 +8,13 @@ from typing import Any
 
 from torch import nn
 
+from dptrain._checks import check_positive
 from dptrain.accounting import PrivacyLedger, make_accountant
 
 __all__ = [
     "DELTA_RULES",
     "check_choice",
+    "check_epsilons",
     "cycle",
     "decay_param_groups",
     "epsilon_so_far",
@@ -28,6 +30,18 @@ def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
     """Refuse ``value`` unless it is one of ``allowed`` (the error lists them)."""
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not allowed: expected one of {list(allowed)}")
+
+
+def check_epsilons(epsilons: Sequence[float | None]) -> None:
+    """Refuse an empty or repeating list of guarantees, or one that is not a target
+    epsilon > 0 or None (the non-private run)."""
+    if not epsilons:
+        raise ValueError("epsilons=[] is not allowed: expected target epsilons and/or null")
+    for e in epsilons:
+        if e is not None:
+            check_positive("epsilons", e)
+    if len(set(epsilons)) != len(epsilons):
+        raise ValueError(f"epsilons={list(epsilons)!r} is not allowed: values repeat")
 
 
 def resolve_delta(delta: float | str, n_records: int) -> float:

@@ -102,3 +102,11 @@ def test_bad_input_is_named():
         GradientCanaries(model.parameters(), 4).attach(torch.optim.SGD(model.parameters(), 0.1))
     with pytest.raises(ValueError, match="no step was observed"):
         GradientCanaries(model.parameters(), 4).audit(DELTA)
+
+
+def test_several_processes_are_refused_by_name():
+    class TwoRanks:  # what GradientCanaries reads of a DistributedDPOptimizer
+        audit_hook, world_size = None, 2
+
+    with pytest.raises(ValueError, match="white-box canaries on 2 processes"):
+        GradientCanaries(nn.Linear(3, 2).parameters(), 4).attach(TwoRanks())

@@ -103,6 +103,12 @@ class GradientCanaries:
                 f"optimizer={type(optimizer).__name__} has no audit hook: expected a "
                 "dptrain DPOptimizer (e.g. make_private(...).optimizer)"
             )
+        if getattr(optimizer, "world_size", 1) > 1:
+            # the multi-process step noises and reduces in its own order, without the hook
+            raise ValueError(
+                f"white-box canaries on {optimizer.world_size} processes are not supported: "
+                "audit a one-process run of the same configuration"
+            )
         engine = getattr(optimizer, "engine", None)
         if engine is None or engine.clipping == "per_layer":
             raise ValueError(

@@ -150,35 +150,19 @@ def whitebox_run(
         model = nn.Linear(d, d, bias=False)
     x = torch.randn(cfg.examples, d, generator=gen) / math.sqrt(d)
     y = torch.randint(0, d, (cfg.examples,), generator=gen)
-    batch = cfg.examples if cfg.batch_size == "full" else int(cfg.batch_size)
-    private = make_private(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        torch.utils.data.TensorDataset(x, y),
-        batch_size=batch,
-        max_grad_norm=1.0,
-        steps=cfg.steps,
-        target_epsilon=None if cfg.noise_multiplier else cfg.epsilon,
-        noise_multiplier=cfg.noise_multiplier or None,
-        target_delta=cfg.delta,
-        accountant=cfg.accountant,
-        seed=cfg.seed,
-    )
     canaries = GradientCanaries(
-        model.parameters(),
-        cfg.canaries or d * d,
-        norm=cfg.canary_norm or None,
-        seed=cfg.seed + 1,
-    ).attach(private.optimizer)
-    bar = tqdm(private.data_loader, desc="white-box run", disable=not progress)
-    for logical in bar:
-        private.optimizer.zero_grad()
-        for xb, yb in logical.chunks:
-            private.backward(per_example_cross_entropy(model(xb), yb))
-        private.optimizer.step()
-        bar.set_postfix(step=private.optimizer.steps_taken)
-    # (a near-zero sigma's PLD would not fit in memory: no claim is computed for it)
-    claimed = private.epsilon() if cfg.noise_multiplier == 0 or cfg.noise_multiplier > 0.1 else None
+        model.parameters(), cfg.canaries or d * d, norm=cfg.canary_norm or None, seed=cfg.seed + 1
+    )
+    claimed = _private_run(
+        cfg,
+        model,
+        x,
+        y,
+        lr=0.1,
+        desc="white-box run",
+        progress=progress,
+        before=lambda private: canaries.attach(private.optimizer),
+    )
     return claimed, canaries
 
 
@@ -226,12 +210,29 @@ def blackbox_run(
     x = torch.cat([x_real, x_can[included]])
     y = torch.cat([y_real, y_can[included]])
     model = BagClassifier(d, cfg.classes)
-    batch = len(x) if cfg.batch_size == "full" else int(cfg.batch_size)
+    claimed = _private_run(cfg, model, x, y, lr=0.5, desc="black-box run", progress=progress)
+    with torch.no_grad():
+        scores = -per_example_cross_entropy(model(x_can), y_can)
+    return claimed, scores.double().numpy(), included.numpy()
+
+
+def _private_run(
+    cfg: OneRunAuditConfig,
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    lr: float,
+    desc: str,
+    progress: bool,
+    before: Any = None,
+) -> float | None:
+    """DP-SGD on (x, y) as ``cfg`` says (``before(private)`` first); the epsilon claimed."""
     private = make_private(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=lr),
         torch.utils.data.TensorDataset(x, y),
-        batch_size=batch,
+        batch_size=len(x) if cfg.batch_size == "full" else int(cfg.batch_size),
         max_grad_norm=1.0,
         steps=cfg.steps,
         target_epsilon=None if cfg.noise_multiplier else cfg.epsilon,
@@ -241,8 +242,10 @@ def blackbox_run(
         seed=cfg.seed,
         max_physical_batch_size=2048,
     )
+    if before is not None:
+        before(private)
     try:
-        bar = tqdm(private.data_loader, desc="black-box run", disable=not progress)
+        bar = tqdm(private.data_loader, desc=desc, disable=not progress)
         for logical in bar:
             private.optimizer.zero_grad()
             for xb, yb in logical.chunks:
@@ -251,10 +254,8 @@ def blackbox_run(
             bar.set_postfix(step=private.optimizer.steps_taken)
     finally:
         private.engine.detach()
-    claimed = private.epsilon() if cfg.noise_multiplier == 0 or cfg.noise_multiplier > 0.1 else None
-    with torch.no_grad():
-        scores = -per_example_cross_entropy(model(x_can), y_can)
-    return claimed, scores.double().numpy(), included.numpy()
+    # (a near-zero sigma's PLD would not fit in memory: no claim is computed for it)
+    return private.epsilon() if cfg.noise_multiplier == 0 or cfg.noise_multiplier > 0.1 else None
 
 
 def _read_scores(path: str) -> tuple[np.ndarray, np.ndarray]:

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from dptrain.clipping.precision import tolerance_dtype
+
 if TYPE_CHECKING:  # pragma: no cover
     from dptrain.clipping.engine import ClippingEngine
 
@@ -83,7 +85,9 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
     low = any(g is not None and g.dtype in (torch.bfloat16, torch.float16) for g in grads)
     dtype = _record_dtype(records)
     w_records = w.to(dtype)
-    tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[dtype]
+    # float32 on a GPU with TF32 matrix products rounds as float16 does (precision.py)
+    tol_dtype = tolerance_dtype(dtype, losses.device, engine.model)
+    tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[tol_dtype]
 
     # rows: per recorded output, the weighted gradient against w_i times the plain one
     row_errors: list[float] = [0.0 if g is None else math.inf for g in grads]
@@ -134,7 +138,8 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
             engine.parameter(n).grad = g
 
     for (use, call), g, err in zip(calls, grads, row_errors, strict=True):
-        if err > ROW_TOLERANCE.get(g.dtype if g is not None else torch.float32, 1e-5):
+        g_dtype = torch.float32 if g is None else tolerance_dtype(g.dtype, g.device, engine.model)
+        if err > ROW_TOLERANCE.get(g_dtype, 1e-5):
             raise UnsupportedModelError(
                 f"module {use.name} ({type(use.module).__name__}): the rows of its "
                 f"{_describe(call, b)} are not one per example: re-weighting each example's "
@@ -162,7 +167,9 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
         err = diff / scale if scale > 0 else 0.0
         ptol = tol
         if any(u.rule.float32_inside for u, _ in engine._groups[name]):
-            ptol = max(tol, SUM_TOLERANCE[torch.float32])
+            ptol = max(
+                tol, SUM_TOLERANCE[tolerance_dtype(torch.float32, losses.device, engine.model)]
+            )
         if err > ptol:
             owners = ", ".join(
                 f"{u.name} ({type(u.module).__name__})" for u, _ in engine._groups[name]

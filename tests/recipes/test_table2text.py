@@ -262,10 +262,22 @@ def test_group_references_keeps_first_seen_order():
     assert group_references(pairs) == [("b", ["1", "3"]), ("a", ["2"])]
 
 
-def test_greedy_decode_matches_a_manual_argmax_loop(tokenizer):
-    model = tiny_model(tokenizer, dtype=torch.float32, n_positions=96)
-    tables = [t for t, _ in group_references(synthetic_pairs(4, 1))]
-    got = decode(model, tokenizer, tables, num_beams=1, max_new_tokens=5, batch_size=3)
+@pytest.mark.parametrize("batching", ["by_length", "left_padded"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_greedy_decode_matches_a_manual_argmax_loop(tokenizer, tmp_path, batching, arch):
+    if arch == "gpt2":
+        model = tiny_model(tokenizer, dtype=torch.float32, n_positions=96)
+    else:  # rotary positions: left padding must not shift them
+        from tests.lm_helpers import save_tiny_llama
+
+        folder = save_tiny_llama(tmp_path / "llama", tokenizer, seed=1)
+        model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    tables = [t for t, _ in group_references(synthetic_pairs(6, 1))]
+    lengths = {len(tokenizer(linearize_table(t))["input_ids"]) for t in tables}
+    assert len(lengths) > 1  # batches mix prompt lengths under left padding
+    got = decode(
+        model, tokenizer, tables, num_beams=1, max_new_tokens=5, batch_size=4, batching=batching
+    )
     for table, text in zip(tables, got, strict=True):
         ids = tokenizer(linearize_table(table), add_special_tokens=False)["input_ids"]
         seq = [tokenizer.bos_token_id, *ids, tokenizer.sep_token_id]
@@ -277,8 +289,8 @@ def test_greedy_decode_matches_a_manual_argmax_loop(tokenizer):
                     break
                 new.append(nxt)
         assert text == tokenizer.decode(new, skip_special_tokens=True).strip()
-    beams = decode(model, tokenizer, tables, num_beams=2, max_new_tokens=5)
-    assert len(beams) == 4 and all(isinstance(s, str) for s in beams)
+    beams = decode(model, tokenizer, tables, num_beams=2, max_new_tokens=5, batching=batching)
+    assert len(beams) == 6 and all(isinstance(s, str) for s in beams)
 
 
 # -- bad input -----------------------------------------------------------------------------------

@@ -62,15 +62,17 @@ def interior(output_node, stop_nodes: Iterable) -> set[int]:
 
 def parameter_uses(
     roots: Iterable, watched: set[int]
-) -> tuple[dict[int, list], list[str], set[int]]:
+) -> tuple[dict[int, list], list[str], set[int], list]:
     """Walk the graph below ``roots``.
 
     Returns ({parameter id: [nodes that use it]} for the parameters in
-    ``watched``, [names of reentrant-checkpoint nodes found], ids of all nodes seen).
+    ``watched``, [names of reentrant-checkpoint nodes found], ids of all nodes seen,
+    the ``AccumulateGrad`` nodes of the other leaves that need a gradient).
     """
     uses: dict[int, list] = {}
     reentrant: list[str] = []
     seen: set[int] = set()
+    others: dict[int, object] = {}
     stack = [r for r in roots if r is not None]
     while stack:
         node = stack.pop()
@@ -87,9 +89,11 @@ def parameter_uses(
             if variable is not None:  # AccumulateGrad: a leaf tensor
                 if id(variable) in watched:
                     uses.setdefault(id(variable), []).append(node)
+                else:
+                    others[id(nxt)] = nxt
             elif id(nxt) not in seen:
                 stack.append(nxt)
-    return uses, reentrant, seen
+    return uses, reentrant, seen, list(others.values())
 
 
 def grad_node(t: Tensor):

@@ -67,8 +67,13 @@ def check_weights(b: int, dtype: torch.dtype, device: torch.device, seed: int = 
     return torch.pow(2.0, e.to(torch.float64)).to(dtype=dtype, device=device)
 
 
-def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, records) -> None:
+def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) -> None:
     """Raise :class:`~dptrain.clipping.UnsupportedModelError` if the chunk fails the check.
+
+    ``calls``: every recorded (use, call) the losses depend on; ``grads``: their output
+    gradients, None for a streamed call, whose per-example gradients were formed during
+    the backward and its g dropped (``parts[call]``: (those gradients, g's dtype), or
+    None where g was None; engine._output_gradients).
 
     One backward of sum_i w_i L_i. Its gradients are checked as autograd produces them
     and then dropped (hooks on the recorded outputs' nodes and on the parameters), so the
@@ -79,14 +84,21 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
 
     b = losses.shape[0]
     w = check_weights(b, losses.dtype, losses.device, seed=engine.self_checks)
-    calls = [(use, call) for use in active for call in live[use]]
-    low = any(g is not None and g.dtype in (torch.bfloat16, torch.float16) for g in grads)
-    dtype = _record_dtype(records)
+    edges = [call.edge for _, call in calls]
+    g_dtypes = [
+        parts[call][1] if parts.get(call) else (g.dtype if g is not None else None)
+        for (_, call), g in zip(calls, grads, strict=True)
+    ]
+    low = any(d in (torch.bfloat16, torch.float16) for d in g_dtypes)
+    dtype = _record_dtype(
+        [g for _, g in records.values()]
+        + [t for part in parts.values() if part for t in part[0].values()]
+    )
     w_records = w.to(dtype)
     tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[dtype]
 
     # rows: per recorded output, the weighted gradient against w_i times the plain one
-    row_errors: list[float] = [0.0 if g is None else math.inf for g in grads]
+    row_errors: list[float] = [0.0 if d is None else math.inf for d in g_dtypes]
     by_node: dict[int, list[int]] = {}
     for k, edge in enumerate(edges):
         by_node.setdefault(id(edge.node), []).append(k)
@@ -94,22 +106,30 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
     def rows_hook(node):
         def hook(grad_outputs):
             for k in by_node[id(node)]:
+                use, call = calls[k]
                 wg = grad_outputs[edges[k].output_nr]
-                if wg is not None and calls[k][1].batch_dim:
-                    wg = wg.movedim(calls[k][1].batch_dim, 0)
+                if call in parts:
+                    row_errors[k] = _streamed_rows_error(engine, use, call, parts[call], wg, w)
+                    continue
+                if wg is not None and call.batch_dim:
+                    wg = wg.movedim(call.batch_dim, 0)
                 row_errors[k] = _rows_error(grads[k], wg, w, b)
 
         return hook
 
     # completeness: per parameter, (max |mine - auto|, max |auto|, max |mine|)
-    names = [n for n in engine.parameter_names if any(u in records for u, _ in engine._groups[n])]
+    names = [
+        n
+        for n in engine.parameter_names
+        if any(engine._recorded(u, records) for u, _ in engine._groups[n])
+    ]
     params = {id(engine.parameter(n)): n for n in names}
     seen: dict[str, tuple[float, float, float]] = {}
     sums: dict = {}
 
     def param_hook(p):
         name = params[id(p)]
-        present = [(u, attr) for u, attr in engine._groups[name] if u in records]
+        present = [(u, attr) for u, attr in engine._groups[name] if engine._recorded(u, records)]
         mine = engine._weighted_sum_of(name, present, records, w_records, sums)
         seen[name] = _gaps(mine, p.grad)
         p.grad = None  # autograd's gradient is not kept; the engine's is restored below
@@ -133,8 +153,8 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
         for n, g in saved.items():
             engine.parameter(n).grad = g
 
-    for (use, call), g, err in zip(calls, grads, row_errors, strict=True):
-        if err > ROW_TOLERANCE.get(g.dtype if g is not None else torch.float32, 1e-5):
+    for (use, call), g_dtype, err in zip(calls, g_dtypes, row_errors, strict=True):
+        if err > ROW_TOLERANCE.get(g_dtype or torch.float32, 1e-5):
             raise UnsupportedModelError(
                 f"module {use.name} ({type(use.module).__name__}): the rows of its "
                 f"{_describe(call, b)} are not one per example: re-weighting each example's "
@@ -152,7 +172,9 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
     # floored at sqrt(tol) times the largest gradient of the model.
     for name in names:  # parameters autograd gave no gradient: compared with zero
         if name not in seen:
-            present = [(u, attr) for u, attr in engine._groups[name] if u in records]
+            present = [
+                (u, attr) for u, attr in engine._groups[name] if engine._recorded(u, records)
+            ]
             mine = engine._weighted_sum_of(name, present, records, w_records, sums)
             seen[name] = _gaps(mine, None)
     floor = math.sqrt(tol) * max((auto for _, auto, _ in seen.values()), default=0.0)
@@ -204,14 +226,26 @@ def _rows_error(g: Tensor | None, wg: Tensor | None, w: Tensor, b: int) -> float
     return diff / scale
 
 
+def _streamed_rows_error(engine, use, call, part, wg: Tensor | None, w: Tensor) -> float:
+    """The rows test for a streamed call, whose g was not kept: on what the engine reads
+    from row i, example i's gradient. Formed from the re-weighted g it must be w_i times
+    the one formed from g; a row carrying another example's loss changes it unless that
+    contribution vanishes in example i's gradient, the quantity clipped (part: the
+    call's per-example gradients and g's dtype, or None where g was None)."""
+    b = w.shape[0]
+    if part is None or wg is None:
+        return 0.0 if part is None and wg is None else math.inf
+    weighted = engine._call_per_example(use, call, wg, b)
+    call.a = None  # its last reader: the input goes as this backward frees the graph
+    return max((_rows_error(v, weighted[k], w, b) for k, v in part[0].items()), default=0.0)
+
+
 def _describe(call, b: int) -> str:
     if call.expanded_to is not None:
         return f"output (a shared table expanded to {tuple(call.out_shape)})"
-    return f"input {tuple(call.a.shape)} / output {tuple(call.out_shape)} ({b} examples)"
+    return f"input {call.a_shape} / output {tuple(call.out_shape)} ({b} examples)"
 
 
-def _record_dtype(records) -> torch.dtype:
-    for _, g in records.values():
-        if g.dtype == torch.float64:
-            return torch.float64
-    return torch.float32
+def _record_dtype(tensors) -> torch.dtype:
+    """float64 if any of the records' tensors is, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

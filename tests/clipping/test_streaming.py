@@ -31,7 +31,7 @@ from dptrain.clipping import ClippingEngine, UnsupportedModelError
 from tests.clipping import hf_zoo
 from tests.clipping.oracle_check import assert_engine_matches_oracle
 from tests.clipping.test_hf_families import MODES, B
-from tests.clipping.test_peft import _lora, _tolerance
+from tests.clipping.test_peft import CLIPPINGS, _lora, _tolerance
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to True:UserWarning"),
@@ -68,16 +68,22 @@ def _expected_streamed(family: str, engine: ClippingEngine) -> set[str]:
     return {n for n in names if LORA.search(n)}
 
 
-@pytest.mark.parametrize(
-    ("clipping", "mode"),
-    [
-        ("flat", "book_keeping"),
-        ("flat", "ghost"),
-        ("automatic", "book_keeping"),
-        ("automatic", "ghost"),
-        ("per_layer", "book_keeping"),  # per-layer clipping needs book-keeping
-    ],
-)
+def _check(case, family: str, engine: ClippingEngine, clipping: str = "flat") -> None:
+    """``engine`` (as it is: checked chunks seen or not) against the oracle at T_STREAM."""
+    tol = _tolerance("llama" if family.startswith("llama") else "gpt2", engine.mode)
+    assert_engine_matches_oracle(
+        case.model,
+        _losses(case),
+        B,
+        mode=engine.mode,
+        clipping=clipping,
+        engine=engine,
+        tol=tol,
+        scale_floor=1e-4 if tol else None,
+    )
+
+
+@pytest.mark.parametrize(("clipping", "mode"), CLIPPINGS)
 @pytest.mark.parametrize("family", ["gpt2", "llama", "llama-checkpointed", "llama-full"])
 def test_streamed_chunk_after_the_self_check_matches_the_oracle(family, mode, clipping):
     case = _case(family)
@@ -90,18 +96,7 @@ def test_streamed_chunk_after_the_self_check_matches_the_oracle(family, mode, cl
     assert set(engine.streamed) == expected
     case.model.zero_grad(set_to_none=True)
     # the second chunk, same shapes: no check, the streamed path alone
-    base = "llama" if family.startswith("llama") else "gpt2"
-    tol = _tolerance(base, mode)
-    assert_engine_matches_oracle(
-        case.model,
-        _losses(case),
-        B,
-        mode=mode,
-        clipping=clipping,
-        engine=engine,
-        tol=tol,
-        scale_floor=1e-4 if tol else None,
-    )
+    _check(case, family, engine, clipping)
     assert engine.self_checks == 1
     assert set(engine.streamed) == expected
     engine.detach()
@@ -113,16 +108,7 @@ def test_checked_chunk_with_streamed_modules_matches_the_oracle(family, mode):
     """The first chunk: streamed, and its self-check reads per-example gradients."""
     case = _case(family)
     engine = ClippingEngine(case.model, 1.0, mode=mode)
-    tol = _tolerance(family, mode)
-    assert_engine_matches_oracle(
-        case.model,
-        _losses(case),
-        B,
-        mode=mode,
-        engine=engine,
-        tol=tol,
-        scale_floor=1e-4 if tol else None,
-    )
+    _check(case, family, engine)
     assert engine.self_checks == 1
     assert set(engine.streamed) == _expected_streamed(family, engine)
     engine.detach()

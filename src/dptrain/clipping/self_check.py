@@ -13,6 +13,8 @@ sum_i w_i L_i with weights w_i = 2^e_i (e_i random in -3..3):
    example's loss (a shared table whose length equals the chunk size, a
    time-first tensor with T = B, an operation that mixes the examples, a loss
    with in-batch negatives) differs by an amount of the order of the mixing.
+   A streamed module's g is not kept (engine._output_gradients): the test is made
+   on what the engine reads from row i, example i's gradient formed from it.
 2. **Completeness.** For every clipped parameter, the rules' weighted sum
    sum_i w_i grad_i (book-keeping from the recorded a and g) must equal
    autograd's gradient of sum_i w_i L_i. This checks each rule's algebra on

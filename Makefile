@@ -27,8 +27,8 @@ demo: $(VENV)/.installed
 	$(BIN)/dptrain demo --out runs/demo
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 
 test: lint
 	$(BIN)/python -m pytest -q

@@ -19,12 +19,8 @@ from pathlib import Path
 
 import torch
 
-from dptrain.distributed import (
-    init_distributed,
-    load_checkpoint,
-    make_private_distributed,
-    save_checkpoint,
-)
+from dptrain.checkpoint import load_checkpoint, save_checkpoint
+from dptrain.distributed import init_distributed, make_private_distributed
 from dptrain.losses import per_example_cross_entropy
 from dptrain.models import GPT, GPTConfig
 

@@ -7,6 +7,8 @@ user can fix a call without reading the source.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 
 def _is_real(value: object) -> bool:
@@ -75,3 +77,17 @@ def check_int(name: str, value: object, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name}={value!r} is not allowed: expected an integer >= {minimum}")
     return value
+
+
+def check_finite_array(name: str, values: Iterable[float] | Any) -> Any:
+    """``values`` (an iterable, array or tensor) as a flat float64 numpy array; NaN and
+    infinities refused."""
+    import numpy as np
+
+    arr = np.asarray(
+        values.detach().cpu().numpy() if hasattr(values, "detach") else list(values),
+        dtype=np.float64,
+    ).ravel()
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} is not allowed: it holds NaN or infinite values")
+    return arr

@@ -10,6 +10,8 @@
     dptrain train table2text  GPT-2-style table-to-text on E2E: BLEU / ROUGE-L (greedy, beam)
     dptrain train mlm       BERT-style masked-LM pretraining on news text: mega-batches,
                             growing batch size, gradient-SNR
+    dptrain train lm        DP fine-tuning of a pretrained causal LM (SmolLM2 or a local
+                            folder; LoRA or full) on your records: data=FILE.jsonl|csv|parquet
     dptrain train ... --nproc N   the same run on N local processes (torchrun; seqrec and
                             classify DP-SGD runs)
     dptrain experiment dpformer   the DPFormer Table 1 grid (models x epsilon x seeds)
@@ -17,6 +19,12 @@
     dptrain study NAME      a language-model study: snr | batch-schedule | weight-decay
                             (masked LM, Anil et al.) or e2e-heatmap (Li et al. Figure 2)
     dptrain audit exposure  canary exposure (Carlini et al.) private vs non-private
+    dptrain audit one-run   one-run audit (Steinke et al.; Mahloujifar et al.): white-box
+                            self-test of the mechanism, or your canaries' scores (exit 1 if
+                            a lower bound exceeds the claimed epsilon)
+    dptrain audit mia       membership inference (LiRA, loss threshold) on shadow linear
+                            probes of frozen MiniLM features: TPR at 0.1% / 1% FPR, ROC plot
+                            (exit 1 if a TPR exceeds what the epsilon allows)
     dptrain demo            the main job: a short DPFormer experiment on MovieLens-100k
     dptrain accounting-demo the accounting demo (table + plot)
     dptrain bench           dptrain vs non-private and Opacus: step time, memory, largest
@@ -150,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train",
-        help="train with a recipe: dptrain train {seqrec,classify,table2text,mlm} [key=value ...]",
+        help="train with a recipe: dptrain train {seqrec,classify,table2text,mlm,lm} [key=value ...]",
     )
     p.add_argument("recipe", choices=list(_TRAIN_RECIPES))
     p.add_argument(
@@ -184,8 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("study", choices=list(_STUDIES))
     _add_config_arguments(p)
 
-    p = sub.add_parser("audit", help="measure what leaks: dptrain audit exposure")
-    p.add_argument("audit", choices=["exposure"])
+    p = sub.add_parser(
+        "audit", help="measure what leaks: dptrain audit {exposure,one-run,mia} [key=value ...]"
+    )
+    p.add_argument("audit", choices=["exposure", "one-run", "mia"])
+    p.add_argument("--json", action="store_true", help="one-run, mia: print results.json")
     _add_config_arguments(p)
 
     p = sub.add_parser(
@@ -237,6 +248,19 @@ _TRAIN_RECIPES = {
         "MLMTrainConfig",
         "train_mlm",
         ("epsilon", "delta", "valid_accuracy", "test_accuracy", "steps", "examples_processed"),
+    ),
+    "lm": (
+        "dptrain.recipes.lm_finetune",
+        "LMFinetuneConfig",
+        "train_lm",
+        (
+            "epsilon",
+            "delta",
+            "privacy_unit",
+            "initial_valid_perplexity",
+            "valid_perplexity",
+            "steps",
+        ),
     ),
 }
 #: Recipes that run on several processes (``--nproc``).
@@ -576,6 +600,30 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         return _train(args)
     if args.command == "study":
         return _study(args, command)
+    if args.command == "audit" and args.audit == "one-run":
+        from dptrain.recipes.audit_one_run import load_one_run_config, run_one_run_audit
+
+        cfg = load_one_run_config(args.config, args.overrides)
+        results = run_one_run_audit(cfg, progress=not args.json)
+        if args.json:
+            print(json.dumps(results))
+        else:
+            print((Path(cfg.out) / "table.md").read_text())
+            print(f"results: {cfg.out}/results.json")
+        return 1 if results["flagged"] else 0
+    if args.command == "audit" and args.audit == "mia":
+        from dptrain.recipes.audit_mia import load_mia_config, run_mia_audit
+
+        cfg = load_mia_config(args.config, args.overrides)
+        if args.json:
+            cfg.progress = False  # stdout is the JSON; the bar would only add noise to stderr
+        results = run_mia_audit(cfg)
+        if args.json:
+            print(json.dumps(results))
+        else:
+            print((Path(cfg.out) / "table.md").read_text())
+            print(f"plot: {cfg.out}/roc.png; results: {cfg.out}/results.json")
+        return 1 if results["mia"]["flagged"] else 0
     if args.command == "audit":
         from dptrain.recipes.exposure import load_exposure_config, run_exposure_audit
 
@@ -691,8 +739,12 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     if args.recipe == "classify":
         print(results["privacy_scope_detail"])
+    if args.recipe == "lm":
+        print(results["guarantee"])
     print(format_table(keys, [[results.get(k) for k in keys]]))
     print(f"run folder: {cfg.out} (results.json, metrics.jsonl, plots/)")
+    if args.recipe == "lm" and cfg.save_model:
+        print(f"model: {cfg.out}/model (save_pretrained, privacy.json, README.md)")
     return 0
 
 

@@ -12,7 +12,7 @@ import copy
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["per_example_cross_entropy", "per_example_losses"]
+__all__ = ["per_example_cross_entropy", "per_example_lm_loss", "per_example_losses"]
 
 _REDUCTIONS = ("sum", "mean")
 
@@ -56,6 +56,32 @@ def per_example_cross_entropy(
     if reduction == "sum":
         return total
     return total / valid.sum(1).clamp_min(1).to(total.dtype)
+
+
+def per_example_lm_loss(
+    logits: Tensor, labels: Tensor, *, ignore_index: int = -100, reduction: str = "mean"
+) -> Tensor:
+    """Next-token cross-entropy per example of a causal LM, (B,).
+
+    ``labels`` are aligned with the inputs (the Hugging Face convention, as
+    :func:`dptrain.data.lm_records.collate_lm` gives them): the logits at
+    position t are scored against ``labels[:, t + 1]``, and ``ignore_index``
+    marks positions out of the loss (prompt, non-assistant turns, padding).
+
+    Args:
+        logits: (B, T, V) scores.
+        labels: (B, T) token ids or ``ignore_index``.
+        reduction: per example, ``"mean"`` over its scored tokens (0 when it has
+            none) or ``"sum"``.
+    """
+    if logits.dim() != 3 or labels.dim() != 2 or logits.shape[:2] != labels.shape:
+        raise ValueError(
+            f"logits has shape {tuple(logits.shape)} and labels {tuple(labels.shape)}: "
+            "expected logits (B, T, V) with labels (B, T)"
+        )
+    return per_example_cross_entropy(
+        logits[:, :-1], labels[:, 1:], ignore_index=ignore_index, reduction=reduction
+    )
 
 
 def per_example_losses(criterion: nn.Module, outputs: Tensor, targets: Tensor) -> Tensor:

@@ -129,6 +129,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._generators: dict[torch.device, torch.Generator] = {}
         self.seed: int | None = None
         self.last_metrics: StepMetrics | None = None
+        #: An auditor that sees every step (dptrain.audit.gradient_canaries): its
+        #: ``before_noise(optimizer)`` may add canary gradients to the clipped sums, its
+        #: ``after_noise(optimizer)`` reads the noised gradients. None: no audit.
+        self.audit_hook: Any = None
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._generator_for(torch.device("cpu"))
@@ -222,7 +226,11 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         self.check_clipped_gradients()
         self.all_reduce_clipped_sums()
+        if self.audit_hook is not None:
+            self.audit_hook.before_noise(self)
         metrics = self.add_noise(loss_scale)
+        if self.audit_hook is not None:
+            self.audit_hook.after_noise(self)
         self.original_optimizer.step()
         self.ledger.record(self.sample_rate, self.noise_multiplier)
         self.steps_taken += 1

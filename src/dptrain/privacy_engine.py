@@ -15,6 +15,7 @@ The noise comes either from a target (epsilon, delta) over the planned steps
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -33,7 +34,9 @@ from dptrain.accounting import (
     steps_from_epochs,
 )
 from dptrain.clipping.engine import ClippingEngine, ClipStats
-from dptrain.data import DPDataLoader, LogicalBatch
+from dptrain.data import ChunkUnits, DPDataLoader, LogicalBatch
+from dptrain.data.hf_datasets import with_torch_rows
+from dptrain.data.poisson import group_records
 from dptrain.optim import DPOptimizer
 
 __all__ = ["PrivateTraining", "check_optimizer_matches", "make_private"]
@@ -69,11 +72,16 @@ def _segments(rates: list[float], steps: int) -> list[tuple[float, int]]:
 
 
 class _PrivateLoader:
-    """Iterates the DP data loader and tells the optimizer each step's sample rate."""
+    """Iterates the DP data loader and tells the optimizer each step's sample rate.
+
+    With user-level units it also keeps the units of the current batch's chunks, in
+    order, for :meth:`PrivateTraining.backward` to take one per chunk.
+    """
 
     def __init__(self, loader: DPDataLoader, optimizer: DPOptimizer):
         self.loader = loader
         self.optimizer = optimizer
+        self.pending_units: collections.deque[ChunkUnits] = collections.deque()
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -81,6 +89,7 @@ class _PrivateLoader:
     def __iter__(self) -> Iterator[LogicalBatch]:
         for batch in self.loader:
             self.optimizer.set_sample_rate(batch.sample_rate, self.loader.dataset_size)
+            self.pending_units = collections.deque(batch.units or [])
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -103,10 +112,40 @@ class PrivateTraining:
     target_delta: float | None
     accountant: str
     steps: int
+    privacy_unit: str = "example"
+    by_user: bool = False
+    """Whether records are grouped into units by ``user_ids`` (clipped per unit)."""
 
     def backward(self, per_example_losses: Tensor) -> ClipStats:
-        """Clip this chunk's per-example gradients and add them to the step's sum."""
-        return self.engine.backward(per_example_losses)
+        """Clip this chunk's per-example gradients and add them to the step's sum.
+
+        With ``user_ids`` (user-level DP) the chunks must be passed in the batch's order: each
+        call takes the next chunk's units (:class:`~dptrain.data.ChunkUnits`) and clips
+        each user's summed gradient as one; a user cut across chunks is clipped at its
+        last chunk (the figures of the other parts are empty).
+        """
+        if not self.by_user:
+            return self.engine.backward(per_example_losses)
+        pending = self.data_loader.pending_units
+        if not pending:
+            raise RuntimeError(
+                "user-level DP: backward() was called for more chunks than the logical "
+                "batch has; call it once per chunk of private.data_loader's batch, in order"
+            )
+        units = pending[0]
+        if per_example_losses.shape != units.ids.shape:
+            raise ValueError(
+                f"per_example_losses has shape {tuple(per_example_losses.shape)}, but the next "
+                f"chunk of the batch holds {units.ids.shape[0]} records: pass the chunks in order"
+            )
+        pending.popleft()
+        if units.parts == 1:
+            return self.engine.backward(per_example_losses, units=units.ids)
+        self.engine.add_to_unit(per_example_losses)
+        if units.part == units.parts - 1:
+            return self.engine.close_unit()
+        empty = torch.zeros(0)
+        return ClipStats(empty, empty, self.engine.max_grad_norm)
 
     def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
         """epsilon spent so far (from the ledger), at ``delta`` (default: the target delta)."""
@@ -135,13 +174,15 @@ def make_private(
     max_physical_batch_size: int | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     seed: int | None = None,
-    privacy_unit: str = "example",
+    privacy_unit: str | None = None,
+    user_ids: Any = None,
     ledger: PrivacyLedger | None = None,
 ) -> PrivateTraining:
     """Make ``model``, ``optimizer`` and ``data`` private (DP-SGD / DP-Adam with Poisson sampling).
 
     Args:
-        data: a map-style Dataset, or a DataLoader whose dataset (and collate_fn) are used.
+        data: a map-style Dataset (a ``datasets.Dataset`` too: without ``collate_fn`` its
+            rows are read as tensors), or a DataLoader whose dataset (and collate_fn) are used.
         batch_size: the expected logical batch size B (q = B / N), or a function
             step -> B for a growing batch size (Anil et al. 2021; needs ``steps``):
             calibration and the ledger then follow the schedule step by step.
@@ -153,12 +194,34 @@ def make_private(
         accountant: ``pld`` (default), ``rdp`` or ``gdp`` for calibration and reports.
         max_physical_batch_size: chunk size for memory (default: B).
         seed: fixes the sampling and the noise; None draws from the OS (logged).
+        privacy_unit: what one unit of the guarantee is called in the ledger and every
+            report: default ``"example"`` (one record), or ``"user"`` with ``user_ids``
+            (a name such as "user" without ``user_ids`` says that each record already
+            holds all of one user's data, as a recommender's sequence does).
+        user_ids: one id (int or str) per record: user-level DP. Users are
+            Poisson-sampled (``batch_size`` is then the expected number of *users* per
+            batch, and epochs count passes over the users), each bringing all their
+            records, and each user's gradient summed over their records in the batch is
+            clipped as one (:mod:`dptrain.clipping.units`), also across chunks.
         ledger: continue an existing ledger (a resumed run).
     """
     dataset = getattr(data, "dataset", data)
     if collate_fn is None and isinstance(data, torch.utils.data.DataLoader):
         collate_fn = data.collate_fn
+    if collate_fn is None:
+        # default_collate would transpose a datasets.Dataset's list columns
+        dataset = with_torch_rows(dataset)
+    if privacy_unit is None:
+        privacy_unit = "example" if user_ids is None else "user"
+    if user_ids is not None and privacy_unit == "example":
+        raise ValueError(
+            "privacy_unit='example' with user_ids: user_ids group several records into one "
+            "unit; pass privacy_unit='user' (or the unit's name), or no user_ids"
+        )
     n = len(dataset)
+    members = None if user_ids is None else group_records(list(user_ids), n, "user_ids")
+    if members is not None:
+        n = len(members)  # users are what is sampled and counted
     if (epochs is None) == (steps is None):
         raise ValueError(f"epochs={epochs!r}, steps={steps!r}: give exactly one of them")
     if callable(batch_size):
@@ -207,6 +270,11 @@ def make_private(
         model, max_grad_norm, clipping=clipping, mode=mode, norm_method=norm_method
     )
     ledger = ledger if ledger is not None else PrivacyLedger(privacy_unit=privacy_unit)
+    if ledger.privacy_unit != privacy_unit:
+        raise ValueError(
+            f"ledger.privacy_unit={ledger.privacy_unit!r} does not match "
+            f"privacy_unit={privacy_unit!r}: a ledger counts one unit"
+        )
     dp_optimizer = DPOptimizer(
         optimizer,
         noise_multiplier=sigma,
@@ -225,6 +293,7 @@ def make_private(
         max_physical_batch_size or first_batch,
         collate_fn=collate_fn,
         seed=seed,
+        unit_ids=user_ids,
     )
     return PrivateTraining(
         model=model,
@@ -236,4 +305,6 @@ def make_private(
         target_delta=target_delta,
         accountant=accountant,
         steps=total_steps,
+        privacy_unit=privacy_unit,
+        by_user=user_ids is not None,
     )

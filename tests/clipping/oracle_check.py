@@ -40,6 +40,7 @@ def assert_engine_matches_oracle(
     engine: ClippingEngine | None = None,
     tol: float | None = None,
     scale_floor: float | None = None,
+    units: Tensor | None = None,
 ) -> None:
     """Per-example norms and the noiseless clipped sum equal the oracle's.
 
@@ -49,9 +50,13 @@ def assert_engine_matches_oracle(
     one that has seen earlier chunks; it is left attached. ``tol``: the relative
     tolerance, default by dtype (for models that compute parts in lower precision);
     ``scale_floor``: below it a reference value counts as rounding noise (default by dtype).
+    ``units``: a privacy-unit id per example; the oracle's unit gradient is the sum of its
+    examples' batch-size-1 gradients, units in order of first appearance.
     """
     tol = TOLERANCE[dtype] if tol is None else tol
     grads = oracle_per_example_grads(model, lambda i: losses_of(slice(i, i + 1)).sum(), batch_size)
+    if units is not None:
+        grads = {n: _unit_sums(g, units) for n, g in grads.items()}
     norms = oracle_norms(grads) if batch_size else torch.zeros(0, dtype=dtype)
     c = float(norms.median()) if batch_size else 1.0
     c = c if c > 0 else 1.0
@@ -62,7 +67,7 @@ def assert_engine_matches_oracle(
         engine.clear()  # forget the oracle's forward passes
         engine.max_grad_norm = c
     try:
-        stats = engine.backward(losses_of(slice(0, batch_size)))
+        stats = engine.backward(losses_of(slice(0, batch_size)), units=units)
     finally:
         if own:
             engine.detach()
@@ -83,6 +88,12 @@ def assert_engine_matches_oracle(
         err = relative_error(got[name], want[name], scale_floor)
         assert err <= tol, f"{name}: clipped sum off by {err:.2e} (mode={mode}, {norm_method})"
     model.zero_grad(set_to_none=True)
+
+
+def _unit_sums(grads: Tensor, units: Tensor) -> Tensor:
+    """(B, ...) per-example gradients -> (U, ...) per-unit sums, in order of first appearance."""
+    order = list(dict.fromkeys(units.tolist()))
+    return torch.stack([grads[units == u].sum(0) for u in order])
 
 
 def _per_layer_sum(engine: ClippingEngine, grads: dict[str, Tensor]) -> dict[str, Tensor]:

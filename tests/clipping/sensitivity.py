@@ -32,8 +32,10 @@ def clipped_sums(
     max_grad_norm: float,
     mode: str,
     clipping: str = "flat",
+    units: Tensor | None = None,
 ) -> list[Tensor]:
-    """The flattened noiseless clipped sum for each lambda (example ``index`` scaled)."""
+    """The flattened noiseless clipped sum for each lambda (example ``index`` scaled; with
+    ``units``, a privacy-unit id per example, every example of unit ``index``)."""
     engine = ClippingEngine(model, max_grad_norm, mode=mode, clipping=clipping)
     params = engine.parameters()
     out = []
@@ -42,8 +44,8 @@ def clipped_sums(
             model.zero_grad(set_to_none=True)
             losses = losses_of()
             scale = torch.ones_like(losses)
-            scale[index] = lam
-            engine.backward(losses * scale)
+            scale[index if units is None else units == index] = lam
+            engine.backward(losses * scale, units=units)
             out.append(
                 torch.cat(
                     [
@@ -67,6 +69,7 @@ def sensitivity(
     mode: str = "book_keeping",
     clipping: str = "flat",
     slack: float = SLACK,
+    units: Tensor | None = None,
 ) -> tuple[str, float]:
     """(REFUSED, nan) or (PRIVATE, max pairwise distance / C); asserts the bound.
 
@@ -74,7 +77,13 @@ def sensitivity(
     """
     try:
         sums = clipped_sums(
-            model, losses_of, index, max_grad_norm=max_grad_norm, mode=mode, clipping=clipping
+            model,
+            losses_of,
+            index,
+            max_grad_norm=max_grad_norm,
+            mode=mode,
+            clipping=clipping,
+            units=units,
         )
     except UnsupportedModelError:
         return REFUSED, float("nan")

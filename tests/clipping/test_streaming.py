@@ -30,6 +30,7 @@ pytest.importorskip("peft")
 from dptrain.clipping import ClippingEngine, UnsupportedModelError
 from tests.clipping import hf_zoo
 from tests.clipping.oracle_check import assert_engine_matches_oracle
+from tests.clipping.sensitivity import PRIVATE, sensitivity
 from tests.clipping.test_hf_families import MODES, B
 from tests.clipping.test_peft import CLIPPINGS, _lora, _tolerance
 
@@ -227,3 +228,51 @@ def test_module_called_twice_is_streamed_per_call_and_matches_the_oracle(mode):
     engine.detach()
     # and on a checked chunk (each call's per-example gradients are checked on their own)
     assert_engine_matches_oracle(model, lambda rows: model(x[rows]), 3, mode=mode)
+
+
+#: privacy units (user-level DP): examples 0 and 2 are one unit, example 1 another
+UNITS = torch.tensor([5, 2, 5])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama-full"])
+def test_streamed_modules_with_privacy_units_match_the_oracle(family, mode):
+    """units=: a streamed module's per-example gradients, formed during the backward, are
+    summed over each unit's examples. With LoRA every clipped module streams, so per-example
+    factors there would raise nothing: only the oracle (summed per unit) tells them apart."""
+    case = _case(family)
+    engine = ClippingEngine(case.model, 1.0, mode=mode)
+    engine.backward(_losses(case, seed=1)(slice(None)), units=UNITS)  # the checked chunk
+    case.model.zero_grad(set_to_none=True)
+    tol = _tolerance("llama" if family.startswith("llama") else "gpt2", mode)
+    assert_engine_matches_oracle(
+        case.model,
+        _losses(case),
+        B,
+        mode=mode,
+        engine=engine,
+        units=UNITS,
+        tol=tol,
+        scale_floor=1e-4 if tol else None,
+    )
+    assert engine.self_checks == 1
+    assert set(engine.streamed) == _expected_streamed(family, engine)
+    engine.detach()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_unit_of_streamed_lora_moves_the_clipped_sum_by_at_most_c(mode):
+    """The unit of examples 0 and 2 scaled by lambda up to 1e6 (both clipped): per-example
+    clipping of the streamed LoRA gradients would move the sum by up to 2 C."""
+    case = _lora("llama")
+    kwargs, labels = case.make_batch(B, T_STREAM, 0)
+
+    def losses():
+        return case.losses(case.model(**kwargs), labels)
+
+    slack = 1e-6 if _tolerance("llama", mode) else 1e-9
+    for unit in (5, 2):
+        outcome, _ = sensitivity(
+            case.model, losses, unit, max_grad_norm=0.1, mode=mode, slack=slack, units=UNITS
+        )
+        assert outcome == PRIVATE

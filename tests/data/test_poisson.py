@@ -343,3 +343,35 @@ def test_public_names_import_and_are_documented(module_name):
     for name in module.__all__:
         obj = getattr(module, name)
         assert obj.__doc__, f"{module_name}.{name} has no docstring"
+
+
+# -- user-level sampling: units packed whole into chunks ----------------------------------
+
+
+def test_pack_units_keeps_units_whole_and_cuts_only_the_large_ones():
+    from dptrain.data import pack_units
+
+    units = [[0, 1], [2], [3, 4, 5, 6, 7], [8, 9, 10], [11]]
+    packed = pack_units(units, 3)
+    assert [recs for recs, _ in packed] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9, 10], [11]]
+    ids = [u.ids.tolist() for _, u in packed]
+    assert ids == [[0, 0, 1], [2, 2, 2], [2, 2], [3, 3, 3], [4]]
+    assert [(u.part, u.parts) for _, u in packed] == [(0, 1), (0, 2), (1, 2), (0, 1), (0, 1)]
+    assert all(len(recs) <= 3 for recs, _ in packed)
+    assert pack_units([], 3) == []
+
+
+def test_user_level_loader_draws_whole_users():
+    from dptrain.data import DPDataLoader
+
+    user_ids = ["a", "b", "a", "c", "b", "a", "d"]
+    loader = DPDataLoader(list(range(7)), 0.5, 40, 2, seed=3, unit_ids=user_ids)
+    assert loader.dataset_size == 4
+    sizes = []
+    for batch in loader:
+        seen = [int(i) for chunk in batch.chunks for i in chunk]
+        users = {user_ids[i] for i in seen}
+        assert sorted(seen) == [i for i, u in enumerate(user_ids) if u in users]
+        assert batch.num_units == len(users)
+        sizes.append(batch.num_units)
+    assert 1.2 < sum(sizes) / len(sizes) < 2.8  # about q * 4 = 2 users per batch

@@ -4,6 +4,15 @@
 unintended memorization (Carlini et al., 2019), as Li et al. (2022, appendix M)
 run it on E2E. The recipe :mod:`dptrain.recipes.exposure` trains the models
 (``dptrain audit exposure``).
+
+:mod:`dptrain.audit.one_run`: one-run auditing (Steinke et al. 2023; Mahloujifar et al.
+2025), an epsilon lower bound from canary scores; :mod:`dptrain.audit.gradient_canaries`:
+the white-box canaries that produce such scores during a private run.
+
+:mod:`dptrain.audit.lira`: membership inference, the likelihood-ratio attack (LiRA,
+Carlini et al. 2022) with shadow models and the loss-threshold baseline, and their ROC
+metrics (TPR at low FPR, AUC); the recipe :mod:`dptrain.recipes.audit_mia` trains the
+shadow probes (``dptrain audit mia``).
 """
 
 from dptrain.audit.exposure import (
@@ -21,19 +30,75 @@ from dptrain.audit.exposure import (
     make_canaries,
     skewnorm_logcdf,
 )
+from dptrain.audit.gradient_canaries import GradientCanaries
+from dptrain.audit.lira import (
+    DEFAULT_FPRS,
+    AttackMetrics,
+    attack_metrics,
+    balanced_accuracy,
+    dp_tpr_bound,
+    lira_leave_one_out,
+    lira_offline,
+    lira_online,
+    logit_confidence,
+    loss_scores,
+    plot_roc,
+    roc_auc,
+    roc_curve,
+    tpr_at_fpr,
+)
+from dptrain.audit.one_run import (
+    METHODS,
+    OneRunAudit,
+    count_correct,
+    default_guess_candidates,
+    epsilon_lower_bound,
+    gdp_audit_rejects,
+    gdp_mu_lower_bound,
+    guesses_from_scores,
+    one_run_audit,
+    one_run_p_value,
+    pure_epsilon_all_correct,
+)
 
 __all__ = [
+    "DEFAULT_FPRS",
     "DEFAULT_PREFIX_FORMAT",
+    "METHODS",
     "MIN_DISTRIBUTION_SAMPLES",
+    "AttackMetrics",
     "Canary",
     "CanarySet",
+    "GradientCanaries",
+    "OneRunAudit",
     "SkewNormalFit",
+    "attack_metrics",
+    "balanced_accuracy",
     "candidate_words",
     "check_encodable",
+    "count_correct",
+    "default_guess_candidates",
+    "dp_tpr_bound",
+    "epsilon_lower_bound",
     "exposure_by_distribution",
     "exposure_by_rank",
     "fit_skewnorm",
+    "gdp_audit_rejects",
+    "gdp_mu_lower_bound",
+    "guesses_from_scores",
     "insert_canaries",
+    "lira_leave_one_out",
+    "lira_offline",
+    "lira_online",
+    "logit_confidence",
+    "loss_scores",
     "make_canaries",
+    "one_run_audit",
+    "one_run_p_value",
+    "plot_roc",
+    "pure_epsilon_all_correct",
+    "roc_auc",
+    "roc_curve",
     "skewnorm_logcdf",
+    "tpr_at_fpr",
 ]

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from dptrain._checks import check_int, check_real
+from dptrain._checks import check_finite_array, check_int, check_real
 
 __all__ = [
     "DEFAULT_PREFIX_FORMAT",
@@ -345,16 +345,6 @@ def insert_canaries(
 # -- exposure --------------------------------------------------------------------------------
 
 
-def _finite_array(name: str, values: Iterable[float]) -> np.ndarray:
-    arr = np.asarray(
-        values.detach().cpu().numpy() if hasattr(values, "detach") else list(values),
-        dtype=np.float64,
-    ).ravel()
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name} is not allowed: it holds NaN or infinite values")
-    return arr
-
-
 def exposure_by_rank(
     canary_log_ppl: float,
     candidate_log_ppls: Iterable[float],
@@ -378,7 +368,7 @@ def exposure_by_rank(
     ``[1, |R|]`` and the exposure in ``[0, log2 |R|]``.
     """
     x = check_real("canary_log_ppl", canary_log_ppl)
-    c = _finite_array("candidate_log_ppls", candidate_log_ppls)
+    c = check_finite_array("candidate_log_ppls", candidate_log_ppls)
     if c.size == 0:
         raise ValueError("candidate_log_ppls is empty: exposure needs other candidates")
     size = c.size + 1 if space_size is None else check_int("space_size", space_size, 2)
@@ -422,7 +412,7 @@ def fit_skewnorm(
     """
     from scipy import stats
 
-    s = _finite_array("sampled_log_ppls", sampled_log_ppls)
+    s = check_finite_array("sampled_log_ppls", sampled_log_ppls)
     min_samples = check_int("min_samples", min_samples, 3)
     if s.size < min_samples:
         raise ValueError(

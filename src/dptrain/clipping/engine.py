@@ -68,6 +68,7 @@ from dptrain.clipping.rules import (
     gram_inner,
     weighted_sum,
 )
+from dptrain.clipping.units import UnitIndex, unit_index
 
 __all__ = ["CLIPPING_MODES", "NORM_METHODS", "ClipStats", "ClippingEngine", "UnsupportedModelError"]
 
@@ -229,6 +230,8 @@ class ClippingEngine:
         gradients arrived, dropping those (see _streams)."""
         # p.grad as the engine left it: (id, version) per parameter id, checked at the step.
         self._grad_marks: dict[int, tuple[int, int]] = {}
+        # The summed, unclipped gradient of a privacy unit spanning chunks (add_to_unit).
+        self._open_unit: dict[str, Tensor] | None = None
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
         ]
@@ -529,12 +532,17 @@ class ClippingEngine:
 
     # -- the clipped backward -------------------------------------------------------------
 
-    def backward(self, losses: Tensor, loss_scale: float = 1.0) -> ClipStats:
+    def backward(
+        self, losses: Tensor, loss_scale: float = 1.0, units: Tensor | None = None
+    ) -> ClipStats:
         """Add sum_i c_i grad L_i to each parameter's ``.grad``; return the clipping figures.
 
         ``losses`` are the per-example losses (B,) of the last forward pass.
         ``loss_scale`` K: the losses carry a loss scale (mixed precision); clipping
         is then at C K (Li et al. 2022, App. T) and the optimizer unscales.
+        ``units``: an id per example (B,); examples with the same id are one privacy unit
+        (a user), whose summed gradient is clipped as one (units.py). The figures are then
+        per unit, in order of first appearance.
         """
         if losses.dim() != 1:
             raise ValueError(
@@ -542,13 +550,19 @@ class ClippingEngine:
             )
         threshold = self.max_grad_norm * check_positive("loss_scale", loss_scale)
         b = losses.shape[0]
+        index = None if units is None else unit_index(units, b)
+        if self._open_unit is not None:
+            raise RuntimeError(
+                "a privacy unit spanning several chunks is still open (add_to_unit): call "
+                "close_unit() before the next chunk"
+            )
         try:
             self._check_untouched_grads()
             live = self._live_calls(losses) if b and losses.requires_grad else {}
             active = [u for u in self._uses.values() if live.get(u)]
             if not active:
                 self.clear()
-                zeros = torch.zeros(b)
+                zeros = torch.zeros(b if index is None else index.num_units)
                 return ClipStats(zeros, zeros, self.max_grad_norm)
             new_patterns = self._layouts(active, live, b)
             check = bool(new_patterns)
@@ -570,6 +584,11 @@ class ClippingEngine:
                 self.self_checks += 1
             # the records hold what is needed; the output gradients go as records are freed
             del grads, parts
+            if index is not None:  # one row per unit from here on (units.py)
+                records = self._regrouped(records, index)
+                # streamed modules' per-example gradients, formed already: summed per unit
+                self._per_example = _per_unit(self._per_example, index)
+                b = index.num_units
         except BaseException:
             self.clear()
             raise
@@ -582,19 +601,92 @@ class ClippingEngine:
                 if norms_sq
                 else torch.zeros(b)  # the losses did not depend on any clipped parameter
             )
-            factors = (
-                flat_factors(total, threshold)
-                if self.clipping == "flat"
-                else automatic_factors(total, threshold, self.gamma * loss_scale)
-            )
+            factors = self.clip_factors(total, loss_scale)
         if self.mode == "ghost":
             self.clear()
+            weights = factors if index is None else factors[index.inverse.to(factors.device)]
             # inputs=: only the clipped parameters; one made trainable after the engine was
             # built would get sum_i c_i g_i with c_i computed without it (not clipped).
-            (losses * factors.to(losses.dtype).detach()).sum().backward(inputs=self.parameters())
+            (losses * weights.to(losses.dtype).detach()).sum().backward(inputs=self.parameters())
         else:
             self._book_keeping(records, factors)
             self.clear()
+        self._mark_grads()
+        return ClipStats(total.detach() / loss_scale, factors.detach(), self.max_grad_norm)
+
+    def clip_factors(self, norms: Tensor, loss_scale: float = 1.0) -> Tensor:
+        """Flat or automatic clip factors for gradient norms (at C K, K the loss scale)."""
+        if self.clipping == "per_layer":
+            raise ValueError("clipping='per_layer' has a factor per group, not one per norm")
+        threshold = self.max_grad_norm * loss_scale
+        if self.clipping == "flat":
+            return flat_factors(norms, threshold)
+        return automatic_factors(norms, threshold, self.gamma * loss_scale)
+
+    def _regrouped(self, records, index: UnitIndex) -> dict[_Use, tuple[Tensor, Tensor]]:
+        """The records with one row per unit: its examples' tokens concatenated (units.py)."""
+        out = {}
+        for use, (a, g) in records.items():
+            if getattr(use.rule, "raw_layout", False) and use not in self._views:
+                # channels-first (B, C, *spatial): unfold to (B, L, d) tokens first
+                a, g = use.rule.unfold(use.module, a, g)
+                self._views[use] = use.rule.unfolded_view()
+            out[use] = (index.regroup(a), index.regroup(g))
+        return out
+
+    # -- a privacy unit spanning several chunks ------------------------------------------
+
+    def add_to_unit(self, losses: Tensor) -> None:
+        """Add the gradient of ``losses.sum()``, unclipped, to the open unit's sum.
+
+        For a privacy unit (a user) whose examples do not fit in one chunk: every
+        example of ``losses`` belongs to that one unit. Its summed gradient is held
+        (one copy of the clipped parameters) until :meth:`close_unit` clips it as one.
+        The whole gradient of the unit's loss is taken by autograd, so any use of a
+        parameter, in any module, is included in the norm: this is exact for any model.
+        """
+        if losses.dim() != 1:
+            raise ValueError(
+                f"losses has shape {tuple(losses.shape)}: expected per-example losses of shape (B,)"
+            )
+        self.clear()  # the recorded calls are not needed: autograd gives the unit's gradient
+        if self._open_unit is None:
+            self._check_untouched_grads()
+            self._open_unit = {}
+        if not losses.requires_grad:
+            return
+        names = list(self._groups)
+        grads = torch.autograd.grad(
+            losses.sum(), [self.parameter(n) for n in names], allow_unused=True
+        )
+        for name, grad in zip(names, grads, strict=True):
+            if grad is not None:
+                grad = upcast(grad.detach())
+                held = self._open_unit.get(name)
+                self._open_unit[name] = grad if held is None else held.add_(grad)
+
+    def close_unit(self, loss_scale: float = 1.0) -> ClipStats:
+        """Clip the open unit's summed gradient as one and add it to ``p.grad``."""
+        if self._open_unit is None:
+            raise RuntimeError("close_unit() without add_to_unit(): no privacy unit is open")
+        held, self._open_unit = self._open_unit, None
+        threshold = self.max_grad_norm * check_positive("loss_scale", loss_scale)
+        norms_sq = {n: g.pow(2).sum().reshape(1) for n, g in held.items()}
+        if not norms_sq:
+            zeros = torch.zeros(1)
+            return ClipStats(zeros, torch.ones(1), self.max_grad_norm)
+        if self.clipping == "per_layer":
+            factors, total = self._per_layer_factors(norms_sq, threshold)
+        else:
+            total = torch.stack(list(norms_sq.values())).sum(0).sqrt()
+            factors = self.clip_factors(total, loss_scale)
+        for name, grad in held.items():
+            p = self.parameter(name)
+            grad = (grad * self._factor_for(name, factors).to(grad.dtype)).to(p.dtype)
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
         self._mark_grads()
         return ClipStats(total.detach() / loss_scale, factors.detach(), self.max_grad_norm)
 
@@ -720,6 +812,11 @@ class ClippingEngine:
         the engine was built is not). Raises
         :class:`UnsupportedModelError` otherwise (the DP optimizer calls this).
         """
+        if self._open_unit is not None:
+            raise RuntimeError(
+                "a privacy unit spanning several chunks was never closed (add_to_unit without "
+                "close_unit): its gradient is not in p.grad; process every chunk of the batch"
+            )
         mine = {id(p) for p in self.parameters()}
         by_id = {id(p): n for n, p in self.model.named_parameters()}
         # The optimizer's and the model's: one the optimizer does not hold still leaves
@@ -1203,6 +1300,20 @@ def _example_rows(use: _Use, a: Tensor, g: Tensor, b: int) -> tuple[Tensor, Tens
         a = a.reshape(b, -1, *a.shape[1:])
     a = use.rule.prepare(use.module, a)
     return upcast(a), upcast(g).reshape(b, a.shape[1], -1)
+
+
+def _per_unit(per_example: dict[_Use, dict[str, Tensor]], index: UnitIndex) -> dict:
+    """Per-example gradients {name: (B, *shape)} per module summed over each unit's
+    examples, {name: (U, *shape)}: a unit's gradient is the sum of its examples'."""
+    if index.trivial:
+        return per_example
+    out = {}
+    for use, grads in per_example.items():
+        out[use] = {}
+        for name, v in grads.items():
+            inverse = index.inverse.to(v.device)
+            out[use][name] = v.new_zeros((index.num_units, *v.shape[1:])).index_add_(0, inverse, v)
+    return out
 
 
 def _own_params(use: _Use) -> list[nn.Parameter]:

@@ -124,7 +124,7 @@ class ReplayRule(LayerRule):
         return a
 
     def per_example(self, module: nn.Module, a: Tensor, g: Tensor) -> dict[str, Tensor]:
-        flat = a[:, 0] * g[:, 0]
+        flat = (a * g).sum(1)  # one row per example, or a unit's examples' rows (units.py)
         out, start = {}, 0
         for name in self.param_names:
             p = _param(module, name)

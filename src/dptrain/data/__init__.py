@@ -14,12 +14,32 @@
   masked-LM chunks of the news corpus with BERT masking (:func:`load_mlm_data`,
   :func:`mask_tokens`), and BPE / WordPiece tokenizers trained on the training
   split (:func:`train_tokenizer`).
+- Fine-tuning a causal LM on the user's records (:mod:`dptrain.data.lm_records`):
+  prompt/completion, text or chat records from JSONL/CSV/Parquet
+  (:func:`read_lm_records`), tokenized with the loss on the completion or the
+  assistant turns only (:func:`tokenize_lm_records`), split by record or user
+  (:func:`split_lm_records`) and padded into chunks (:func:`collate_lm`).
 """
 
 from dptrain.data.e2e import E2ESplits, load_e2e, read_table_text
+from dptrain.data.lm_records import (
+    LMExamples,
+    LMRecords,
+    collate_lm,
+    read_lm_records,
+    split_lm_records,
+    tokenize_lm_records,
+)
 from dptrain.data.mlm import MLMData, load_mlm_data, mask_tokens
 from dptrain.data.news import load_news, news_articles_path, read_news_articles, tokenize
-from dptrain.data.poisson import DPDataLoader, LogicalBatch, PoissonBatchSampler, split_physical
+from dptrain.data.poisson import (
+    ChunkUnits,
+    DPDataLoader,
+    LogicalBatch,
+    PoissonBatchSampler,
+    pack_units,
+    split_physical,
+)
 from dptrain.data.sequences import (
     SequenceData,
     load_interaction_file,
@@ -40,13 +60,17 @@ from dptrain.data.text_classification import (
 from dptrain.data.tokenizer import load_tokenizer, train_tokenizer
 
 __all__ = [
+    "ChunkUnits",
     "DPDataLoader",
     "E2ESplits",
+    "LMExamples",
+    "LMRecords",
     "LogicalBatch",
     "MLMData",
     "PoissonBatchSampler",
     "SequenceData",
     "TextClassificationData",
+    "collate_lm",
     "load_e2e",
     "load_interaction_file",
     "load_minilm_tokenizer",
@@ -61,12 +85,16 @@ __all__ = [
     "minilm_path",
     "movielens_100k_path",
     "news_articles_path",
+    "pack_units",
     "preprocess_sasrec",
     "read_interactions",
+    "read_lm_records",
     "read_news_articles",
     "read_table_text",
+    "split_lm_records",
     "split_physical",
     "tokenize",
+    "tokenize_lm_records",
     "tokenize_texts",
     "train_tokenizer",
 ]

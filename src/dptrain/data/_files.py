@@ -1,4 +1,5 @@
-"""Locating data files: packaged data found without importing its package, user tables checked."""
+"""Locating and reading data files: packaged data found without importing its package, user
+tables checked and read."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["check_columns", "check_table_path", "package_data"]
+import pandas as pd
+
+__all__ = ["check_columns", "check_table_path", "package_data", "read_table"]
 
 
 def package_data(package: str, relative: str, what: str) -> Path:
@@ -55,3 +58,30 @@ def check_columns(table, path: Path, wanted: dict[str, str]) -> None:
             f"{path} is missing column(s) {', '.join(missing)}; found columns: {found}. "
             f"Name the columns with {hint}"
         )
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    """A ``.csv``, ``.tsv``, ``.jsonl`` or ``.parquet`` file as a DataFrame (suffix checked before).
+
+    CSV/TSV cells are read as text and only empty cells are missing (``"NA"`` is
+    a text, a label); JSONL values keep their JSON types (lists and objects
+    included), as do Parquet columns.
+    """
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return pd.read_parquet(path)
+    if suffix == ".jsonl":
+        if path.stat().st_size == 0 or not path.read_text(encoding="utf-8").strip():
+            raise ValueError(f"{path} is empty: expected one JSON object per line")
+        try:
+            return pd.read_json(path, lines=True, dtype=False)
+        except ValueError as err:
+            raise ValueError(
+                f"{path} is not valid JSON Lines (one JSON object per line): {err}"
+            ) from None
+    sep = "," if suffix == ".csv" else "\t"
+    try:
+        # Text is read as text, and only empty cells are missing ("NA" is a text, a label).
+        return pd.read_csv(path, sep=sep, dtype=str, keep_default_na=False, na_values=[""])
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"{path} is empty: expected a header and at least one row") from None

@@ -23,7 +23,7 @@ clipped gradients are summed before the one noisy update.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,7 +31,14 @@ from torch.utils.data import default_collate
 
 from dptrain._checks import check_int, check_sample_rate
 
-__all__ = ["DPDataLoader", "LogicalBatch", "PoissonBatchSampler", "split_physical"]
+__all__ = [
+    "ChunkUnits",
+    "DPDataLoader",
+    "LogicalBatch",
+    "PoissonBatchSampler",
+    "pack_units",
+    "split_physical",
+]
 
 _FORMAT_VERSION = 1
 
@@ -214,6 +221,28 @@ class PoissonBatchSampler:
         self._steps_drawn = steps_drawn
 
 
+def group_records(
+    unit_ids: Sequence[Any], dataset_size: int, name: str = "unit_ids"
+) -> list[list[int]]:
+    """The record indices of each unit, units in order of first appearance (``name``: the
+    argument's name in errors)."""
+    if len(unit_ids) != dataset_size:
+        raise ValueError(
+            f"{name} has {len(unit_ids)} entries for a dataset of {dataset_size} records: "
+            "expected one id per record"
+        )
+    members: dict[Any, list[int]] = {}
+    for i, u in enumerate(unit_ids):
+        key = u.item() if isinstance(u, torch.Tensor) else u
+        try:
+            members.setdefault(key, []).append(i)
+        except TypeError as e:
+            raise ValueError(
+                f"{name}[{i}]={u!r} is not allowed: expected a hashable id (int or str)"
+            ) from e
+    return list(members.values())
+
+
 def split_physical(indices: Sequence[int], max_physical_batch_size: int) -> list[list[int]]:
     """Cut a logical batch into consecutive chunks of at most ``max_physical_batch_size``.
 
@@ -222,6 +251,62 @@ def split_physical(indices: Sequence[int], max_physical_batch_size: int) -> list
     """
     size = check_int("max_physical_batch_size", max_physical_batch_size, minimum=1)
     return [list(indices[i : i + size]) for i in range(0, len(indices), size)]
+
+
+@dataclass(frozen=True)
+class ChunkUnits:
+    """The privacy units (users) of one physical chunk, for user-level clipping.
+
+    Attributes:
+        ids: (b,) for each record of the chunk, the index of its unit among the
+            logical batch's units; records with the same id are clipped as one sum.
+        part, parts: a unit with more records than a chunk holds is cut into
+            ``parts`` chunks of its own, of which this is number ``part`` (from 0);
+            ``parts == 1``: every unit of the chunk is whole in it.
+    """
+
+    ids: torch.Tensor
+    part: int = 0
+    parts: int = 1
+
+
+def pack_units(
+    units: Sequence[Sequence[int]], max_physical_batch_size: int
+) -> list[tuple[list[int], ChunkUnits]]:
+    """Cut a logical batch of units (each a list of record indices) into physical chunks.
+
+    Units are packed whole, in order, into chunks of at most
+    ``max_physical_batch_size`` records, so the engine can clip each unit's sum
+    within its chunk; a unit larger than a chunk gets consecutive chunks of its own
+    (clipped once, after its last part). Returns (record indices, units) per chunk.
+    """
+    size = check_int("max_physical_batch_size", max_physical_batch_size, minimum=1)
+    out: list[tuple[list[int], ChunkUnits]] = []
+    records: list[int] = []
+    ids: list[int] = []
+
+    def flush() -> None:
+        if records:
+            out.append((list(records), ChunkUnits(torch.tensor(ids, dtype=torch.long))))
+            records.clear()
+            ids.clear()
+
+    for j, members in enumerate(units):
+        n = len(members)
+        if n > size:
+            flush()
+            parts = split_physical(members, size)
+            for k, part in enumerate(parts):
+                out.append(
+                    (part, ChunkUnits(torch.full((len(part),), j, dtype=torch.long), k, len(parts)))
+                )
+            continue
+        if len(records) + n > size:
+            flush()
+        records.extend(members)
+        ids.extend([j] * n)
+    flush()
+    return out
 
 
 @dataclass
@@ -233,12 +318,22 @@ class LogicalBatch:
         size: number of records in the logical batch (the sum over chunks).
         sample_rate: q this step was drawn with; record it in the privacy ledger.
         step: index of the step, from 0.
+        units: with user-level sampling, the units of each chunk (see
+            :class:`ChunkUnits`); None when every record is its own unit.
+        num_units: number of units (users) in the batch; ``size`` when records are units.
     """
 
     chunks: list[Any]
     size: int
     sample_rate: float
     step: int
+    # keyword-only: subclasses (the distributed RankBatch) add fields without defaults
+    units: list[ChunkUnits] | None = field(default=None, kw_only=True)
+    num_units: int | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.num_units is None:
+            self.num_units = self.size
 
 
 class DPDataLoader:
@@ -262,6 +357,10 @@ class DPDataLoader:
         collate_fn: turns a list of records into a chunk;
             default ``torch.utils.data.default_collate``.
         generator, seed: as for :class:`PoissonBatchSampler`.
+        unit_ids: one id (any hashable) per record for user-level DP: the units
+            (users) are Poisson-sampled with rate q, each bringing all its records,
+            and chunks are packed by unit (:func:`pack_units`); ``dataset_size`` and
+            the expected batch size then count units.
     """
 
     def __init__(
@@ -274,13 +373,16 @@ class DPDataLoader:
         generator: torch.Generator | None = None,
         *,
         seed: int | None = None,
+        unit_ids: Sequence[Any] | None = None,
     ):
         self.dataset = dataset
-        self.dataset_size = check_int("len(dataset)", len(dataset), minimum=1)
+        n = check_int("len(dataset)", len(dataset), minimum=1)
         self.max_physical_batch_size = check_int(
             "max_physical_batch_size", max_physical_batch_size, minimum=1
         )
         self.collate_fn = default_collate if collate_fn is None else collate_fn
+        self.unit_members = None if unit_ids is None else group_records(unit_ids, n)
+        self.dataset_size = n if self.unit_members is None else len(self.unit_members)
         self.sampler = PoissonBatchSampler(
             self.dataset_size, sample_rate, steps, generator, seed=seed
         )
@@ -291,18 +393,31 @@ class DPDataLoader:
         return self.sampler.seed
 
     def expected_batch_size(self, step: int) -> float:
-        """Mean logical batch size at ``step``: q * len(dataset)."""
+        """Mean logical batch size at ``step`` in units: q * (number of records or units)."""
         return self.sampler.sample_rate_at(step) * self.dataset_size
 
     def __iter__(self) -> Iterator[LogicalBatch]:
         sampler = self.sampler
         while sampler.steps_drawn < sampler.steps:
             step, q, indices = sampler._draw()
-            chunks = [
-                self.collate_fn([self.dataset[i] for i in chunk])
-                for chunk in split_physical(indices, self.max_physical_batch_size)
-            ]
-            yield LogicalBatch(chunks=chunks, size=len(indices), sample_rate=q, step=step)
+            if self.unit_members is None:
+                chunks = [
+                    self.collate_fn([self.dataset[i] for i in chunk])
+                    for chunk in split_physical(indices, self.max_physical_batch_size)
+                ]
+                yield LogicalBatch(chunks=chunks, size=len(indices), sample_rate=q, step=step)
+                continue
+            packed = pack_units(
+                [self.unit_members[u] for u in indices], self.max_physical_batch_size
+            )
+            yield LogicalBatch(
+                chunks=[self.collate_fn([self.dataset[i] for i in recs]) for recs, _ in packed],
+                size=sum(len(recs) for recs, _ in packed),
+                sample_rate=q,
+                step=step,
+                units=[units for _, units in packed],
+                num_units=len(indices),
+            )
 
     def __len__(self) -> int:
         return len(self.sampler)

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from dptrain._checks import check_in_interval, check_int
-from dptrain.data._files import check_columns, check_table_path, package_data
+from dptrain.data._files import check_columns, check_table_path, package_data, read_table
 
 __all__ = [
     "SPLITS",
@@ -304,27 +304,6 @@ def _build(
 # -- user files ---------------------------------------------------------------------
 
 
-def _read_text_table(path: Path) -> pd.DataFrame:
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        return pd.read_parquet(path)
-    if suffix == ".jsonl":
-        if path.stat().st_size == 0 or not path.read_text(encoding="utf-8").strip():
-            raise ValueError(f"{path} is empty: expected one JSON object per line")
-        try:
-            return pd.read_json(path, lines=True, dtype=False)
-        except ValueError as err:
-            raise ValueError(
-                f"{path} is not valid JSON Lines (one JSON object per line): {err}"
-            ) from None
-    sep = "," if suffix == ".csv" else "\t"
-    try:
-        # Text is read as text, and only empty cells are missing ("NA" is a text, a label).
-        return pd.read_csv(path, sep=sep, dtype=str, keep_default_na=False, na_values=[""])
-    except pd.errors.EmptyDataError:
-        raise ValueError(f"{path} is empty: expected a header and at least one row") from None
-
-
 def _label_strings(values: pd.Series, path: Path, column: str) -> np.ndarray:
     """Labels as strings; a missing label is an error (naming the first data row)."""
     missing = values.isna().to_numpy()
@@ -376,7 +355,7 @@ def load_text_file(
     seed = check_int("seed", seed, minimum=0)
     _check_fractions(dev_fraction, test_fraction)
     check_table_path(path, TEXT_SUFFIXES)
-    table = _read_text_table(path)
+    table = read_table(path)
 
     wanted = {"text_col": text_col, "label_col": label_col}
     check_columns(table, path, wanted)

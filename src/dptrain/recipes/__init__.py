@@ -15,8 +15,14 @@
   mega-batches, a growing batch size and gradient-SNR (``dptrain train mlm``);
   :mod:`dptrain.recipes.mlm_studies`: Anil et al.'s studies (``dptrain study
   snr | batch-schedule | weight-decay``).
+- :mod:`dptrain.recipes.lm_finetune`: DP fine-tuning of a pretrained causal LM
+  (the packaged SmolLM2 or a local folder; LoRA or full, record- or user-level)
+  on the user's records (``dptrain train lm``).
 - :mod:`dptrain.recipes.exposure`: canary exposure, private vs non-private
   (``dptrain audit exposure``).
+- :mod:`dptrain.recipes.audit_one_run`: the one-run privacy audit
+  (``dptrain audit one-run``); :mod:`dptrain.recipes.audit_mia`: membership
+  inference (LiRA) on shadow linear probes (``dptrain audit mia``).
 
 The YAML files in ``configs/`` are the packaged settings (:func:`configs_dir`).
 """

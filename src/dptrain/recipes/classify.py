@@ -87,6 +87,7 @@ __all__ = [
     "METHODS",
     "METHOD_DEFAULTS",
     "ClassifyTrainConfig",
+    "frozen_encoder_features",
     "load_classification_data",
     "train_classify",
 ]
@@ -503,6 +504,37 @@ def _plan(cfg: ClassifyTrainConfig, n_train: int) -> _Plan:
 # -- representations of a frozen encoder ------------------------------------------------------
 
 
+def _tokenized_splits(
+    cfg: ClassifyTrainConfig, tokenizer: Any, data: TextClassificationData
+) -> dict[str, _TokenizedTexts]:
+    return {
+        name: _TokenizedTexts(_tokenize(cfg, tokenizer, texts), labels, tokenizer.pad_token_id)
+        for name, (texts, labels) in ((s, data.split(s)) for s in ("train", "dev", "test"))
+    }
+
+
+def frozen_encoder_features(
+    cfg: ClassifyTrainConfig,
+) -> tuple[TextClassificationData, dict[str, Tensor]]:
+    """The data and the frozen encoder's pooled representations of every split.
+
+    Exactly what the frozen-encoder methods (``dpsgd-head``, ``dpfp``) train their
+    head on: the config's data (with ``train_size``), tokenizer, encoder, pooling
+    and ``max_length``, read from ``cfg.feature_cache`` when it holds them (and
+    written there otherwise). The features are ``(N, hidden)`` float tensors in
+    the order of ``data.split(name)``; the method does not matter. Other recipes
+    that train on frozen features (the membership-inference audit's shadow
+    probes, :mod:`dptrain.recipes.audit_mia`) call this.
+    """
+    data = load_classification_data(cfg)
+    folder = _encoder_folder(cfg)
+    tokenizer = _load_tokenizer(cfg, folder)
+    classifier, _ = _load_model(cfg, folder, tokenizer, data.n_classes, data.label_names)
+    classifier.encoder.requires_grad_(False)
+    splits = _tokenized_splits(cfg, tokenizer, data)
+    return data, _frozen_features(cfg, folder, classifier.encoder, splits)
+
+
 @torch.no_grad()
 def _represent(encoder: PooledEncoder, data: _TokenizedTexts, batch_size: int) -> Tensor:
     """(N, k) pooled representations in eval mode (deterministic), in record order."""
@@ -623,10 +655,7 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
     folder = _encoder_folder(cfg)
     tokenizer = _load_tokenizer(cfg, folder)
     classifier, objective = _load_model(cfg, folder, tokenizer, data.n_classes, data.label_names)
-    splits = {
-        name: _TokenizedTexts(_tokenize(cfg, tokenizer, texts), labels, tokenizer.pad_token_id)
-        for name, (texts, labels) in ((s, data.split(s)) for s in ("train", "dev", "test"))
-    }
+    splits = _tokenized_splits(cfg, tokenizer, data)
     plan = _plan(cfg, data.n_train)
     out = Path(cfg.out)
     if main:

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from dptrain._checks import check_in_interval, check_int, check_positive
+from dptrain._checks import check_in_interval, check_int
 from dptrain.audit.exposure import (
     DEFAULT_PREFIX_FORMAT,
     MIN_DISTRIBUTION_SAMPLES,
@@ -74,6 +74,7 @@ from dptrain.config import (
     parse_overrides,
     read_yaml_mapping,
 )
+from dptrain.recipes._common import check_epsilons
 
 __all__ = [
     "AUDIT_CONTROLLED_KEYS",
@@ -156,13 +157,7 @@ class ExposureAuditConfig:
         check_int("exact_max_space", self.exact_max_space, 0)
         check_int("score_batch_size", self.score_batch_size, 1)
         check_in_interval("valid_fraction", self.valid_fraction, 0.0, 1.0)
-        if not self.epsilons:
-            raise ValueError("epsilons=[] is not allowed: expected target epsilons and/or null")
-        for e in self.epsilons:
-            if e is not None:
-                check_positive("epsilons", e)
-        if len(set(self.epsilons)) != len(self.epsilons):
-            raise ValueError(f"epsilons={self.epsilons!r} is not allowed: values repeat")
+        check_epsilons(self.epsilons)
         if not self.seeds:
             raise ValueError("seeds=[] is not allowed: expected at least one seed")
         for s in self.seeds:

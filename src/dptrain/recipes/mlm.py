@@ -70,9 +70,7 @@ import copy
 import json
 import logging
 import math
-import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,7 +86,22 @@ from dptrain.data.mlm import MLMData, load_mlm_data
 from dptrain.data.poisson import DPDataLoader
 from dptrain.losses import per_example_cross_entropy
 from dptrain.privacy_engine import make_private
-from dptrain.recipes._common import DELTA_RULES, check_choice, epsilon_so_far, resolve_delta
+from dptrain.recipes._common import (
+    DELTA_RULES,
+    check_choice,
+    decay_param_groups,
+    epsilon_so_far,
+    resolve_delta,
+)
+from dptrain.recipes._schedules import (
+    batch_stages,
+    check_schedule_steps,
+    check_stages,
+    lr_factor,
+    parse_batch_schedule,
+    resolve_stages,
+    schedule_function,
+)
 
 __all__ = [
     "MLMTrainConfig",
@@ -103,8 +116,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_STAGE = re.compile(r"^\s*(\d+)\s*[xX*]\s*(\d+)\s*$")
 
 
 @dataclass
@@ -229,13 +240,7 @@ class MLMTrainConfig:
                 "expected a multiple of num_heads"
             )
         if self.batch_schedule is not None:
-            stages = parse_batch_schedule(self.batch_schedule)
-            total = sum(s for _, s in stages)
-            if total != self.steps:
-                raise ValueError(
-                    f"batch_schedule={self.batch_schedule!r} has {total} steps but "
-                    f"steps={self.steps}: expected the stages to add up to steps"
-                )
+            check_schedule_steps(self.batch_schedule, self.steps)
         if self.init_from is not None and self.tokenizer == "train":
             raise ValueError(
                 f"init_from={self.init_from!r} with tokenizer='train' is not allowed: a "
@@ -245,109 +250,6 @@ class MLMTrainConfig:
     @property
     def private(self) -> bool:
         return self.epsilon is not None
-
-
-# -- schedules ---------------------------------------------------------------------------------
-
-
-def parse_batch_schedule(spec: str) -> list[tuple[int, int]]:
-    """``"256x10,1024x50"`` -> ``[(256, 10), (1024, 50)]`` (expected batch, steps) per stage."""
-    stages = []
-    for part in str(spec).split(","):
-        m = _STAGE.match(part)
-        if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-            raise ValueError(
-                f"batch_schedule={spec!r} is not allowed: expected stages 'BxS' separated by "
-                "commas, B (expected batch) and S (steps) integers >= 1, e.g. '256x10,1024x50'"
-            )
-        stages.append((int(m.group(1)), int(m.group(2))))
-    return stages
-
-
-def batch_stages(
-    batch_size: int, steps: int, warmup_steps: int, growth: float = 1.0, stages: int = 4
-) -> list[tuple[int, int]]:
-    """The growing schedule as ``[(B_k, steps_k), ...]`` (see the module docstring).
-
-    The warm-up is cut into ``stages`` parts of nearly equal length (the first
-    ``warmup_steps % stages`` one step longer); stage k has
-    B_k = round(B/g + k (B - B/g) / S); the rest of the run has B. Consecutive
-    stages with the same batch are merged, empty ones dropped.
-    """
-    batch_size = check_int("batch_size", batch_size, 1)
-    steps = check_int("steps", steps, 1)
-    warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-    stages = check_int("growth_stages", stages, 1)
-    if warmup_steps > steps:
-        raise ValueError(
-            f"warmup_steps={warmup_steps!r} is not allowed: expected at most steps={steps}"
-        )
-    out: list[tuple[int, int]] = []
-
-    def add(b: int, n: int) -> None:
-        if n <= 0:
-            return
-        if out and out[-1][0] == b:
-            out[-1] = (b, out[-1][1] + n)
-        else:
-            out.append((b, n))
-
-    if growth > 1 and warmup_steps > 0:
-        start = batch_size / growth
-        for k in range(stages):
-            length = warmup_steps // stages + (1 if k < warmup_steps % stages else 0)
-            add(max(1, round(start + k * (batch_size - start) / stages)), length)
-        add(batch_size, steps - warmup_steps)
-    else:
-        add(batch_size, steps)
-    return out
-
-
-def schedule_function(stages: list[tuple[int, int]]) -> Callable[[int], int]:
-    """step (from 0) -> expected batch size of the stage that step falls in."""
-    bounds = []
-    end = 0
-    for b, n in stages:
-        end += n
-        bounds.append((end, b))
-    total = end
-
-    def batch_at(step: int) -> int:
-        if not 0 <= step < total:
-            raise ValueError(f"step={step!r} is outside the schedule's {total} steps")
-        for stop, b in bounds:
-            if step < stop:
-                return b
-        raise AssertionError("unreachable")
-
-    return batch_at
-
-
-def _stages_of(cfg: MLMTrainConfig) -> list[tuple[int, int]]:
-    if cfg.batch_schedule is not None:
-        return parse_batch_schedule(cfg.batch_schedule)
-    return batch_stages(
-        cfg.batch_size, cfg.steps, cfg.warmup_steps, cfg.batch_growth, cfg.growth_stages
-    )
-
-
-def _check_stages(stages: list[tuple[int, int]], n: int) -> None:
-    for k, (b, s) in enumerate(stages):
-        if b > n:
-            raise ValueError(
-                f"batch schedule stage {k} (expected batch {b} for {s} steps) is not allowed: "
-                f"its expected batch exceeds the {n} training examples; expected batches <= {n} "
-                "(lower batch_size, or use more data)"
-            )
-
-
-def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
-    """Anil et al.'s schedule: linear warm-up, then quadratic decay to 0 (module docstring)."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if total_steps == warmup_steps:
-        return 1.0
-    return max(0.0, 1.0 - (step - warmup_steps) / (total_steps - warmup_steps)) ** 2
 
 
 # -- setup -------------------------------------------------------------------------------------
@@ -418,21 +320,6 @@ def build_mlm_model(cfg: MLMTrainConfig, data: MLMData) -> nn.Module:
     return BertForMaskedLM(config)
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings; not biases or LayerNorm parameters (BERT's convention)."""
-    decay, no_decay = [], []
-    seen: set[int] = set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (no_decay if p.dim() < 2 or "LayerNorm" in name else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
 # -- evaluation --------------------------------------------------------------------------------
 
 
@@ -493,8 +380,15 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
         )
     data = data if data is not None else load_mlm_corpus(cfg)
     n = len(data.train_ids)
-    stages = _stages_of(cfg)
-    _check_stages(stages, n)
+    stages = resolve_stages(
+        cfg.batch_size,
+        cfg.steps,
+        cfg.warmup_steps,
+        cfg.batch_growth,
+        cfg.growth_stages,
+        cfg.batch_schedule,
+    )
+    check_stages(stages, n)
     batch_at = schedule_function(stages)
     delta = resolve_delta(cfg.delta, n) if cfg.private else None
     model = build_mlm_model(cfg, data)
@@ -507,7 +401,7 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
             "the validation split has no masked token: expected a larger valid_fraction or more text"
         )
     optimizer = torch.optim.AdamW(
-        _param_groups(model, cfg.weight_decay),
+        decay_param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,

@@ -89,6 +89,7 @@ from dptrain.recipes._common import (
     epsilon_so_far,
     resolve_delta,
 )
+from dptrain.recipes._schedules import lr_lambda
 
 __all__ = [
     "FittedLM",
@@ -467,16 +468,7 @@ def _collate(items: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor
 
 def _lr_lambda(total_steps: int, schedule: str, warmup_fraction: float):
     """Constant (after an optional linear warm-up) or warm-up then linear decay to 0."""
-    warmup = round(warmup_fraction * total_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
-
-    return factor
+    return lr_lambda(total_steps, schedule, round(warmup_fraction * total_steps))
 
 
 @torch.no_grad()

@@ -1,0 +1,240 @@
+"""Each rank's share of the Poisson-sampled logical batches of the whole dataset.
+
+Every rank draws the same global mask (same seed) and keeps the positions
+``rank, rank + W, ...`` of the sorted batch (:func:`shard_indices`): the union
+over ranks is the batch one process would draw, split disjointly into shares
+whose sizes differ by at most one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dptrain._checks import check_int
+from dptrain.data.poisson import (
+    DPDataLoader,
+    LogicalBatch,
+    PoissonBatchSampler,
+    pack_units,
+    split_physical,
+)
+from dptrain.distributed.context import _rank_and_world
+
+__all__ = ["DistributedDPDataLoader", "RankBatch", "shard_indices"]
+
+
+def shard_indices(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """This rank's share of a logical batch: positions ``rank, rank + W, ...`` of ``indices``.
+
+    The shares of ranks 0..W-1 are disjoint, their union is ``indices``, and
+    their sizes differ by at most one.
+    """
+    world_size = check_int("world_size", world_size, 1)
+    rank = check_int("rank", rank, 0)
+    if rank >= world_size:
+        raise ValueError(
+            f"rank={rank!r} is not allowed: expected an integer < world_size={world_size}"
+        )
+    return list(indices[rank::world_size])
+
+
+def _per_rank_chunk(
+    max_physical_batch_size: int | None, global_physical_batch_size: int | None, world_size: int
+) -> int | None:
+    """The per-rank chunk size from exactly one of the two ways of giving it (or None)."""
+    if max_physical_batch_size is not None and global_physical_batch_size is not None:
+        raise ValueError(
+            f"max_physical_batch_size={max_physical_batch_size!r} and global_physical_batch_size="
+            f"{global_physical_batch_size!r} are both given: pass at most one (per rank or in all)"
+        )
+    if global_physical_batch_size is not None:
+        total = check_int("global_physical_batch_size", global_physical_batch_size, 1)
+        if total % world_size != 0:
+            raise ValueError(
+                f"global_physical_batch_size={total!r} is not allowed: expected a multiple of "
+                f"world_size={world_size} (each rank processes global_physical_batch_size / "
+                "world_size records at a time); or give max_physical_batch_size per rank"
+            )
+        return total // world_size
+    if max_physical_batch_size is not None:
+        return check_int("max_physical_batch_size", max_physical_batch_size, 1)
+    return None
+
+
+@dataclass
+class RankBatch(LogicalBatch):
+    """One rank's share of a logical batch.
+
+    ``chunks`` and ``size`` are this rank's; ``global_size`` is the size of the
+    whole logical batch (the union over ranks), ``sample_rate`` and ``step`` are
+    the logical batch's.
+    """
+
+    global_size: int
+    rank: int
+    world_size: int
+
+
+class DistributedDPDataLoader:
+    """This rank's share of Poisson-sampled logical batches of the whole dataset.
+
+    Every rank must be built with the same ``seed``: each draws the same global
+    Poisson mask (:class:`~dptrain.data.PoissonBatchSampler` over all N
+    records) and keeps :func:`shard_indices` of it. The state (generator and
+    steps drawn) is the global sampler's, so it does not depend on the world
+    size: a checkpoint saved with W processes resumes with any number.
+
+    Args:
+        dataset: map-style, ``len()`` and ``dataset[i]``; every rank has all of it.
+        sample_rate: q in (0, 1], or a schedule ``step -> q``.
+        steps: number of logical batches.
+        max_physical_batch_size: most records per chunk on this rank; or
+        global_physical_batch_size: most records per chunk over all ranks
+            together (must be a multiple of the world size).
+        collate_fn: default ``torch.utils.data.default_collate``.
+        seed: the shared sampling seed (an integer; the same on every rank).
+        rank, world_size: default: from ``group`` (the default process group).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        sample_rate: float | Callable[[int], float],
+        steps: int,
+        max_physical_batch_size: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        *,
+        seed: int,
+        global_physical_batch_size: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        group: Any = None,
+    ):
+        if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(
+                f"seed={seed!r} is not allowed: expected an integer, the same on every rank "
+                "(every rank must draw the same global Poisson mask)"
+            )
+        if max_physical_batch_size is None and global_physical_batch_size is None:
+            raise ValueError(
+                "max_physical_batch_size=None and global_physical_batch_size=None: give one "
+                "(records per chunk on each rank, or over all ranks together)"
+            )
+        base = DPDataLoader(dataset, sample_rate, steps, 1, collate_fn, seed=seed)
+        self._init_from(
+            base, max_physical_batch_size, global_physical_batch_size, rank, world_size, group
+        )
+
+    @classmethod
+    def from_loader(
+        cls,
+        loader: DPDataLoader,
+        *,
+        max_physical_batch_size: int | None = None,
+        global_physical_batch_size: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        group: Any = None,
+    ) -> DistributedDPDataLoader:
+        """Shard an existing :class:`~dptrain.data.DPDataLoader` (its sampler is shared, not copied).
+
+        Without a chunk size, each rank uses ceil(loader's chunk size / W).
+        """
+        self = cls.__new__(cls)
+        self._init_from(
+            loader, max_physical_batch_size, global_physical_batch_size, rank, world_size, group
+        )
+        return self
+
+    def _init_from(
+        self,
+        loader: DPDataLoader,
+        max_physical_batch_size: int | None,
+        global_physical_batch_size: int | None,
+        rank: int | None,
+        world_size: int | None,
+        group: Any,
+    ) -> None:
+        if (rank is None) != (world_size is None):
+            raise ValueError(
+                f"rank={rank!r}, world_size={world_size!r}: give both or neither "
+                "(neither: from the process group)"
+            )
+        if rank is None or world_size is None:
+            rank, world_size = _rank_and_world(group)
+        self.world_size = check_int("world_size", world_size, 1)
+        self.rank = check_int("rank", rank, 0)
+        if self.rank >= self.world_size:
+            raise ValueError(
+                f"rank={rank!r} is not allowed: expected an integer < world_size={world_size}"
+            )
+        chunk = _per_rank_chunk(
+            max_physical_batch_size, global_physical_batch_size, self.world_size
+        )
+        if chunk is None:
+            chunk = math.ceil(loader.max_physical_batch_size / self.world_size)
+        self.max_physical_batch_size = chunk
+        self.dataset = loader.dataset
+        self.dataset_size = loader.dataset_size
+        self.collate_fn = loader.collate_fn
+        self.sampler: PoissonBatchSampler = loader.sampler
+        # user-level DP: the sampler draws units (users), each rank takes whole units
+        self.unit_members = getattr(loader, "unit_members", None)
+
+    @property
+    def seed(self) -> int | None:
+        """The shared sampling seed."""
+        return self.sampler.seed
+
+    def expected_batch_size(self, step: int) -> float:
+        """Mean size of the whole logical batch at ``step``: q N (over all ranks)."""
+        return self.sampler.sample_rate_at(step) * self.dataset_size
+
+    def __iter__(self) -> Iterator[RankBatch]:
+        for indices in self.sampler:  # the global batch, the same on every rank
+            step = self.sampler.steps_drawn - 1
+            mine = shard_indices(indices, self.rank, self.world_size)
+            q = self.sampler.sample_rate_at(step)
+            if self.unit_members is None:
+                chunks = [
+                    self.collate_fn([self.dataset[i] for i in chunk])
+                    for chunk in split_physical(mine, self.max_physical_batch_size)
+                ]
+                yield RankBatch(
+                    chunks=chunks,
+                    size=len(mine),
+                    sample_rate=q,
+                    step=step,
+                    global_size=len(indices),
+                    rank=self.rank,
+                    world_size=self.world_size,
+                )
+                continue
+            # whole users per rank, packed into this rank's chunks (a user's records never
+            # straddle ranks, so each rank clips its users' sums exactly)
+            packed = pack_units([self.unit_members[u] for u in mine], self.max_physical_batch_size)
+            yield RankBatch(
+                chunks=[self.collate_fn([self.dataset[i] for i in recs]) for recs, _ in packed],
+                size=sum(len(recs) for recs, _ in packed),
+                sample_rate=q,
+                step=step,
+                global_size=sum(len(self.unit_members[u]) for u in indices),
+                rank=self.rank,
+                world_size=self.world_size,
+                units=[units for _, units in packed],
+                num_units=len(mine),
+            )
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global sampler's state (the same on every rank; independent of W)."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (from any world size): the same batches follow."""
+        self.sampler.load_state_dict(state)

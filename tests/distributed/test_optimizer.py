@@ -1,0 +1,43 @@
+"""DistributedDPOptimizer: one noise draw of std sigma*C per step; rank 0's budget stops all."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dptrain.optim import DPOptimizer
+from tests.distributed.two_ranks import NOISE_C, NOISE_SIGMA
+
+
+def test_all_reduced_noise_has_std_sigma_c(two_ranks):
+    """Sample std of 120,000 noise coordinates is sigma*C, not sqrt(2) sigma*C."""
+    _, results = two_ranks
+    noise0, noise1 = (r["noise"]["noise"] for r in results)
+    assert torch.equal(noise0, noise1)
+    n = noise0.numel()
+    ratio = float(noise0.var() / (NOISE_SIGMA * NOISE_C) ** 2)
+    # var/(sigma C)^2 ~ chi2(n-1)/(n-1): std sqrt(2/n) ~ 0.004; 5 standard deviations.
+    assert abs(ratio - 1) < 5 * math.sqrt(2 / n)
+    assert abs(float(noise0.mean())) < 5 * NOISE_SIGMA * NOISE_C / math.sqrt(n)
+    # ... and it is exactly the noise one process draws with the same seed.
+    w = nn.Parameter(torch.zeros(400, 300, dtype=torch.float64))
+    opt = DPOptimizer(
+        torch.optim.SGD([w], lr=1.0),
+        noise_multiplier=NOISE_SIGMA,
+        max_grad_norm=NOISE_C,
+        expected_batch_size=1.0,
+        sample_rate=0.25,
+        seed=11,
+    )
+    w.grad = torch.zeros_like(w)
+    opt.add_noise()
+    assert torch.allclose(noise0, w.grad.flatten(), rtol=1e-12, atol=1e-12)
+
+
+def test_budget_stop_is_rank_0s_and_every_rank_stops(two_ranks):
+    _, results = two_ranks
+    for r in results:
+        assert "rank 0 stopped every rank" in r["noise"]["stopped"]
+        assert r["noise"]["steps_taken"] == 1

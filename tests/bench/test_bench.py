@@ -272,3 +272,83 @@ def _meta() -> dict:
         "load_average_start": 0.0,
         "load_average_end": 0.0,
     }
+
+
+# -- --amp bf16: mixed precision --------------------------------------------------------------
+
+SMALL = "dpformer-B128-T50-tied"
+
+
+def _spy_on_models(monkeypatch) -> list:
+    """Record every model ``build_step`` makes (it does not return it)."""
+    made: list = []
+    real = workloads.make_model
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(workloads, "make_model", spy)
+    return made
+
+
+def test_bad_amp_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"amp='fp16' is not allowed: expected one of off, bf16"):
+        workloads.build_step(SMALL, "nonprivate", amp="fp16")
+    with pytest.raises(ValueError, match=r"amp='bf16x' is not allowed"):
+        BenchOptions(amp="bf16x").checked()
+    with pytest.raises(ValueError, match=r"amp='fp16' is not allowed"):
+        memory.measure_peak(SMALL, "nonprivate", amp="fp16")
+    assert BenchOptions(amp="bf16").checked().amp == "bf16"  # on CPU too
+
+
+@pytest.mark.parametrize("method", ["nonprivate", "dptrain-bk"])
+def test_bf16_step_runs_the_forward_in_bf16_and_trains(monkeypatch, method):
+    import torch
+
+    made = _spy_on_models(monkeypatch)
+    dtypes = {}
+    for amp in ("off", "bf16"):
+        built = workloads.build_step(SMALL, method, batch_size=4, amp=amp)
+        model = made[-1]
+        linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+        def record(_module, _inputs, out, amp=amp) -> None:
+            dtypes.setdefault(amp, out.dtype)
+
+        linear.register_forward_hook(record)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        built.step()
+        changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+        assert changed, f"{method} with amp={amp} changed no parameter"
+        # fp32 master weights: autocast casts copies, never the parameters
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert dtypes == {"off": torch.float32, "bf16": torch.bfloat16}
+
+
+def test_cli_amp_flag_reaches_the_options_and_the_report(tmp_path, capsys):
+    import argparse
+
+    from dptrain.bench.suite import add_bench_arguments, options_from_args
+
+    p = argparse.ArgumentParser()
+    add_bench_arguments(p)
+    assert options_from_args(p.parse_args(["--quick", "--amp", "bf16"])).amp == "bf16"
+    assert options_from_args(p.parse_args(["--quick"])).amp == "off"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--amp", "fp16"])
+    assert "invalid choice: 'fp16'" in capsys.readouterr().err
+
+    code = main(
+        ["bench", "--quick", "--amp", "bf16", "--skip", "timing,memory", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["meta"]["amp"] == "bf16"
+    assert "- Precision: bf16 mixed precision (`--amp bf16`)" in (tmp_path / "bench.md").read_text()
+
+
+def test_memory_child_accepts_amp(capsys):
+    memory.main([SMALL, "dptrain-bk", "--amp", "bf16", "--batch-size", "4", "--steps", "1"])
+    (res,) = _records(capsys.readouterr().out)
+    assert "error" not in res, res
+    assert res["amp"] == "bf16" and res["peak_mb"] >= res["baseline_mb"] > 0

@@ -412,3 +412,52 @@ def test_packaged_config_loads():
     cfg = load_config(Table2TextConfig, configs_dir() / "table2text.yaml", ["epsilon=null"])
     assert cfg.max_grad_norm == 0.1 and cfg.delta == "1/(2N)" and cfg.beam_size == 5
     assert not cfg.private and cfg.tokenizer == "train"
+
+
+# -- a pretrained causal LM (a tiny Llama folder standing in for SmolLM2) ----------------------
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_pretrained_llama_full_and_lora(tmp_path, lora_r):
+    from tests.lm_helpers import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "llama")
+    data = write_e2e(tmp_path / "e2e", synthetic_pairs(16, 3), synthetic_pairs(5, 2, 3))
+    cfg = tiny_config(
+        tmp_path, data, epsilon=8.0, accountant="rdp", pretrained=str(folder), lora_r=lora_r
+    )
+    res = train_table2text(cfg)
+    out = tmp_path / "run"
+    assert res["model"] == str(folder) and res["lora_r"] == lora_r
+    assert 7.0 < res["epsilon"] <= 8.0 * 1.001
+    assert "pretrained model's own tokenizer" in res["tokenizer_scope"]
+    assert not (out / "tokenizer").exists()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    # no row added to the pretrained embedding: the end-of-text token separates
+    assert res["vocab_size"] == len(tok)
+    if lora_r:
+        assert res["n_trainable_parameters"] < res["n_parameters"] / 2
+        assert (out / "model" / "adapter_config.json").is_file()
+    else:
+        assert res["n_trainable_parameters"] == res["n_parameters"]
+        assert (out / "model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"lora_r": 4}, "lora_r=4 is not allowed without pretrained="),
+        ({"num_layers": 1}, "num_layers=1 is not allowed without pretrained="),
+        ({"pretrained": "/no/such/folder"}, "pretrained='/no/such/folder'"),
+        (
+            {"pretrained": "smollm2-135m-instruct", "tokenizer": "train"},
+            "tokenizer='train' is not allowed with pretrained=",
+        ),
+        ({"pretrained": "smollm2-135m-instruct", "lora_r": 4, "lora_targets": ()}, "lora_targets"),
+    ],
+)
+def test_bad_pretrained_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Table2TextConfig(**kw)

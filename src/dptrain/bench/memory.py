@@ -30,8 +30,8 @@ What is measured and why:
   ``max_memory_allocated() <= C``.
 
 Run ``python -m dptrain.bench._child WORKLOAD METHOD [--batch-size B]
-[--cap-mb C] [--device D] [--threads N] [--steps S]`` to measure one
-configuration; it prints one JSON line.
+[--cap-mb C] [--device D] [--amp {off,bf16}] [--threads N] [--steps S]`` to
+measure one configuration; it prints one JSON line.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def measure_in_process(
     steps: int = 3,
     batch_size: int | None = None,
     cap_mb: float | None = None,
+    amp: str = "off",
 ) -> dict[str, Any]:
     """Build one (workload, method) in *this* process, run ``steps`` steps, report memory.
 
@@ -128,22 +129,30 @@ def measure_in_process(
     import torch
 
     from dptrain.bench.timing import fix_threads
-    from dptrain.bench.workloads import build_step, check_workloads, first_line, preload
+    from dptrain.bench.workloads import (
+        build_step,
+        check_amp,
+        check_workloads,
+        first_line,
+        preload,
+    )
 
     fix_threads(threads)
     (w,) = check_workloads([workload])
+    check_amp(amp)
     cuda = device.startswith("cuda")
     out: dict[str, Any] = {
         "workload": workload,
         "method": method,
         "batch_size": w.batch_size if batch_size is None else batch_size,
         "device": device,
+        "amp": amp,
     }
     try:
         preload(w, method)
         if cap_mb is not None:
             # Load lazily initialised libraries and kernels before the cap is set.
-            warm = build_step(w, method, device=device, batch_size=1)
+            warm = build_step(w, method, device=device, batch_size=1, amp=amp)
             warm.step()
             del warm
             gc.collect()
@@ -155,7 +164,7 @@ def measure_in_process(
                 _set_cpu_cap(cap_mb)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        built = build_step(w, method, device=device, batch_size=batch_size)
+        built = build_step(w, method, device=device, batch_size=batch_size, amp=amp)
         if built.note:
             out["note"] = built.note
         if cuda:
@@ -183,10 +192,13 @@ def measure_in_process(
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m dptrain.bench._child``: measure one configuration, print one JSON line."""
+    from dptrain.bench.workloads import AMP_MODES
+
     p = argparse.ArgumentParser(prog="python -m dptrain.bench._child", description=__doc__)
     p.add_argument("workload")
     p.add_argument("method")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--amp", choices=AMP_MODES, default="off")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch-size", type=int)
@@ -200,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         steps=a.steps,
         batch_size=a.batch_size,
         cap_mb=a.cap_mb,
+        amp=a.amp,
     )
     print(json.dumps(out), flush=True)
 
@@ -251,10 +264,14 @@ def measure_peak(
     steps: int = 3,
     batch_size: int | None = None,
     cap_mb: float | None = None,
+    amp: str = "off",
     timeout: float = 1800,
 ) -> dict[str, Any]:
     """:func:`measure_in_process` in a fresh process; same result keys."""
-    args = [workload, method, "--device", device, "--threads", str(threads)]
+    from dptrain.bench.workloads import check_amp
+
+    check_amp(amp)  # here, not as the child's argparse exit
+    args = [workload, method, "--device", device, "--amp", amp, "--threads", str(threads)]
     args += ["--steps", str(steps)]
     if batch_size is not None:
         args += ["--batch-size", str(batch_size)]
@@ -383,14 +400,16 @@ def max_batch_under_cap(
     start: int | None = None,
     limit: int = 8192,
     rtol: float = 0.05,
+    amp: str = "off",
     timeout: float = 1800,
     on_probe: Callable[[int, bool], None] | None = None,
 ) -> MaxBatchResult:
     """:func:`find_max_batch` where a probe runs ``steps`` steps in a fresh process under a
     ``cap_mb`` cap (module docstring). ``start`` defaults to the workload's batch size."""
-    from dptrain.bench.workloads import check_workloads
+    from dptrain.bench.workloads import check_amp, check_workloads
 
     (w,) = check_workloads([workload])
+    check_amp(amp)
     if not isinstance(cap_mb, int | float) or isinstance(cap_mb, bool) or cap_mb <= 0:
         raise ValueError(f"cap_mb={cap_mb!r} is not allowed: expected a number of MB > 0")
 
@@ -403,6 +422,7 @@ def max_batch_under_cap(
             steps=steps,
             batch_size=b,
             cap_mb=cap_mb,
+            amp=amp,
             timeout=timeout,
         )
         if "fits" in res:

@@ -6,8 +6,9 @@ Three kinds of record, each with a ``kind`` field:
   time and its interquartile range, ``time_ratio`` to the non-private median
   of the same run, peak memory (``peak_mb``), ``memory_ratio`` to the
   non-private peak, the baseline (memory once the model, optimizer and batch
-  exist) and the increment above it. A method that refuses the model, or is
-  skipped, has ``error`` set and no figures;
+  exist) and the increment above it; ``amp`` is the precision (``"off"``:
+  float32, ``"bf16"``: bfloat16 autocast). A method that refuses the model, or
+  is skipped, has ``error`` set and no figures;
 - ``"max_batch"`` (:class:`MaxBatchRecord`): the largest batch size under a
   memory cap, per workload x method;
 - ``"accountant"`` (:class:`~dptrain.bench.accountants.AccountantRecord`).
@@ -68,6 +69,7 @@ class StepRecord:
     seq_len: int | None = None
     device: str = "cpu"
     threads: int = 1
+    amp: str = "off"
     kind: str = "step"
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,6 +95,7 @@ class MaxBatchRecord:
     probes: list[list[Any]] = field(default_factory=list)
     error: str | None = None
     device: str = "cpu"
+    amp: str = "off"
     kind: str = "max_batch"
 
     def to_dict(self) -> dict[str, Any]:

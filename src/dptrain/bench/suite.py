@@ -50,9 +50,11 @@ from dptrain.bench.report import (
 )
 from dptrain.bench.timing import fix_threads, time_round_robin
 from dptrain.bench.workloads import (
+    AMP_MODES,
     METHODS,
     WORKLOADS,
     build_step,
+    check_amp,
     check_methods,
     check_workloads,
     first_line,
@@ -68,6 +70,7 @@ __all__ = [
     "add_bench_arguments",
     "machine_description",
     "options_from_args",
+    "precision_description",
     "run_bench",
     "run_bench_command",
     "write_outputs",
@@ -95,6 +98,8 @@ class BenchOptions:
     Attributes:
         quick: the smoke-check settings were asked for (recorded in the report).
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
+        amp: ``"off"`` (float32) or ``"bf16"`` (forward pass and loss under bfloat16
+            autocast, float32 weights), for every method and part.
         threads: ``torch.set_num_threads`` in every process.
         warmup: untimed steps per method before the timed ones.
         steps: timed steps per method.
@@ -111,6 +116,7 @@ class BenchOptions:
 
     quick: bool = False
     device: str = "cpu"
+    amp: str = "off"
     threads: int = 1
     warmup: int = 2
     steps: int = 9
@@ -180,6 +186,7 @@ class BenchOptions:
             )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s!r} is not allowed: expected > 0")
+        check_amp(self.amp)
         device = check_device(self.device)
         jobs = 1 if device.startswith("cuda") else self.jobs
         return replace(
@@ -275,14 +282,20 @@ def _time_workload(name: str, o: BenchOptions, log: Callable[[str], None]) -> li
     (w,) = check_workloads([name])
     records = {
         m: StepRecord(
-            name, m, batch_size=w.batch_size, seq_len=w.seq_len, device=o.device, threads=o.threads
+            name,
+            m,
+            batch_size=w.batch_size,
+            seq_len=w.seq_len,
+            device=o.device,
+            threads=o.threads,
+            amp=o.amp,
         )
         for m in o.methods
     }
     steps = {}
     for m in o.methods:
         try:
-            built = build_step(w, m, device=o.device)
+            built = build_step(w, m, device=o.device, amp=o.amp)
         except Exception as exc:  # a refusal or a deliberate skip
             records[m].error = first_line(exc)
             continue
@@ -332,6 +345,7 @@ def _add_memory(records: list[StepRecord], o: BenchOptions) -> None:
             jobs=o.jobs,
             on_done=lambda _c: bar.update(),
             device=o.device,
+            amp=o.amp,
             threads=o.threads,
             steps=o.memory_steps,
             timeout=o.timeout_s,
@@ -365,6 +379,7 @@ def _max_batch(o: BenchOptions, log: Callable[[str], None]) -> list[MaxBatchReco
                 m,
                 cap,
                 device=o.device,
+                amp=o.amp,
                 threads=o.threads,
                 rtol=o.max_batch_rtol,
                 limit=o.max_batch_limit,
@@ -384,6 +399,7 @@ def _max_batch(o: BenchOptions, log: Callable[[str], None]) -> list[MaxBatchReco
                     probes=[list(p) for p in res.probes],
                     error=res.error,
                     device=o.device,
+                    amp=o.amp,
                 )
             )
         base = next((r for r in rows if r.method == "nonprivate"), None)
@@ -423,6 +439,7 @@ def _run(o: BenchOptions, say: Callable[[str], None]) -> BenchResult:
                         seq_len=w.seq_len,
                         device=o.device,
                         threads=o.threads,
+                        amp=o.amp,
                     )
                     for m in o.methods
                 ]
@@ -446,6 +463,7 @@ def _run(o: BenchOptions, say: Callable[[str], None]) -> BenchResult:
         "command": shlex.join(["dptrain", *sys.argv[1:]]) if sys.argv else "dptrain bench",
         "quick": o.quick,
         "device": o.device,
+        "amp": o.amp,
         "threads": o.threads,
         "warmup": o.warmup,
         "timed_steps": o.steps,
@@ -458,6 +476,17 @@ def _run(o: BenchOptions, say: Callable[[str], None]) -> BenchResult:
 
 
 # -- output ---------------------------------------------------------------------------------------
+
+
+def precision_description(amp: str) -> str:
+    """How a run's steps compute, for the report: float32, or what bf16 autocast covers."""
+    if check_amp(amp) == "off":
+        return "float32 (`--amp off`)"
+    return (
+        "bf16 mixed precision (`--amp bf16`): forward pass and loss under "
+        "`torch.autocast(dtype=torch.bfloat16)`, backward outside it; float32 weights, "
+        "gradients and optimizer"
+    )
 
 
 def markdown_report(result: BenchResult) -> str:
@@ -477,6 +506,7 @@ def markdown_report(result: BenchResult) -> str:
         f"- Device: {o.device}; `torch.set_num_threads({o.threads})` in every process; "
         f"1-minute load average {m['load_average_start']:.2f} at the start, "
         f"{m['load_average_end']:.2f} at the end",
+        f"- Precision: {precision_description(o.amp)}",
     ]
     if "timing" in o.parts:
         lines.append(
@@ -530,7 +560,9 @@ def write_outputs(result: BenchResult, out: str) -> list[str]:
         f.write(markdown_report(result))
     if result.steps:
         paths.append(os.path.join(out, "bench_ratios.png"))
-        title = f"{result.meta['machine']}, {result.options.device}, {result.meta['date']}"
+        o = result.options
+        precision = ", bf16 autocast" if o.amp == "bf16" else ""
+        title = f"{result.meta['machine']}, {o.device}{precision}, {result.meta['date']}"
         write_ratio_chart(paths[2], result.steps, title=title)
     return paths
 
@@ -551,6 +583,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "timed steps, one memory process per method, epsilon at one grid point, no batch search",
     )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument(
+        "--amp",
+        choices=AMP_MODES,
+        default="off",
+        help="precision of every method's forward pass and loss: off (default, float32) or "
+        "bf16 (torch.autocast to bfloat16, float32 weights; on CPU or CUDA)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--warmup", type=int, help="warm-up steps per method (default 2; quick 1)")
     p.add_argument("--steps", type=int, help="timed steps per method (default 9; quick 3)")
@@ -598,7 +637,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     """:class:`BenchOptions` from ``dptrain bench`` flags (quick defaults under ``--quick``)."""
     o = BenchOptions.quick_defaults() if args.quick else BenchOptions()
-    changes: dict[str, Any] = {"device": args.device, "threads": args.threads}
+    changes: dict[str, Any] = {"device": args.device, "amp": args.amp, "threads": args.threads}
     for flag, attr in (
         ("warmup", "warmup"),
         ("steps", "steps"),

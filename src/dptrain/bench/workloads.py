@@ -45,6 +45,12 @@ multiplier 1 where private:
   the criterion Opacus returns, with ``shape=logits.shape`` for sequence
   losses so that one privacy unit is one sequence).
 
+Precision (``amp``, :data:`AMP_MODES`): ``"off"`` runs everything in float32;
+``"bf16"`` runs each method's forward pass and loss under
+``torch.autocast(device_type, dtype=torch.bfloat16)`` (float32 weights and
+optimizer, the usual mixed precision); the backward pass, the engine's
+included, runs outside the autocast context, as PyTorch recommends.
+
 Opacus computes per-example gradients of an ``nn.Embedding`` from its input,
 so the input must carry the batch dimension. The GPT and DPFormer models look
 up their position embedding with ``arange(T)[None]`` of shape (1, T) and broadcast
@@ -61,6 +67,7 @@ library refusing the model, and the benchmark reports it as the row's error.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import warnings
 from collections.abc import Callable
@@ -72,6 +79,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
+    "AMP_MODES",
     "DPTRAIN_METHODS",
     "INSTANTIATE_LIMIT_BYTES",
     "METHODS",
@@ -80,7 +88,9 @@ __all__ = [
     "BuiltStep",
     "MethodSkippedError",
     "Workload",
+    "amp_context",
     "build_step",
+    "check_amp",
     "check_methods",
     "check_workloads",
     "first_line",
@@ -107,6 +117,9 @@ DPTRAIN_METHODS = ("dptrain-bk", "dptrain-ghost", "dptrain-instantiate")
 OPACUS_METHODS = ("opacus-hooks", "opacus-ghost", "opacus-functorch")
 #: Every method, in report order.
 METHODS = ("nonprivate", *DPTRAIN_METHODS, *OPACUS_METHODS)
+
+#: Precision of the forward pass and loss: float32, or bfloat16 autocast.
+AMP_MODES = ("off", "bf16")
 
 _DPTRAIN_KWARGS: dict[str, dict[str, str]] = {
     "dptrain-bk": {"mode": "book_keeping"},
@@ -229,6 +242,24 @@ def check_methods(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
             f"methods={','.join(bad)} is not allowed: expected some of {', '.join(METHODS)}"
         )
     return tuple(m for m in METHODS if m == "nonprivate" or m in names)
+
+
+def check_amp(amp: str) -> str:
+    """``amp`` if it is one of :data:`AMP_MODES`; otherwise ValueError naming the choices."""
+    if amp not in AMP_MODES:
+        raise ValueError(f"amp={amp!r} is not allowed: expected one of {', '.join(AMP_MODES)}")
+    return amp
+
+
+def amp_context(
+    amp: str, device: str | torch.device = "cpu"
+) -> contextlib.AbstractContextManager[Any]:
+    """The context a step's forward pass and loss run in: none for ``"off"``, bfloat16
+    autocast on the device's type for ``"bf16"``. A fresh one per use: an autocast
+    object must not be entered twice at once."""
+    if check_amp(amp) == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
 def _installed(module: str) -> bool:
@@ -469,8 +500,12 @@ def build_step(
     *,
     device: str | torch.device = "cpu",
     batch_size: int | None = None,
+    amp: str = "off",
 ) -> BuiltStep:
     """Model, optimizer and batch for one (workload, method); a closure runs one step.
+
+    ``amp="bf16"`` runs the step's forward pass and loss under bfloat16 autocast
+    (module docstring); ``"off"`` keeps everything in float32.
 
     Raises :class:`MethodSkippedError` for a deliberate skip; any other exception
     is the method refusing the model (the benchmark records it as the row's error).
@@ -481,6 +516,7 @@ def build_step(
         raise ValueError(f"method={method!r} is not allowed: expected one of {', '.join(METHODS)}")
     if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size={batch_size!r} is not allowed: expected an integer >= 1")
+    check_amp(amp)
     b = workload.batch_size if batch_size is None else batch_size
     preload(workload, method)
     if method == "dptrain-instantiate":
@@ -495,6 +531,9 @@ def build_step(
     for message in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
 
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        return amp_context(amp, device)
+
     # Only the trainable parameters (LoRA freezes the base model).
     params = [p for p in model.parameters() if p.requires_grad]
     if method == "nonprivate":
@@ -502,7 +541,9 @@ def build_step(
 
         def step() -> None:
             opt.zero_grad()
-            _mean_loss(workload, _logits(model, workload, x), y).backward()
+            with autocast():
+                loss = _mean_loss(workload, _logits(model, workload, x), y)
+            loss.backward()
             opt.step()
 
         return BuiltStep(step)
@@ -523,16 +564,24 @@ def build_step(
 
         def dp_step() -> None:
             dpopt.zero_grad()
-            engine.backward(_per_example_losses(workload, _logits(model, workload, x), y))
+            with autocast():
+                losses = _per_example_losses(workload, _logits(model, workload, x), y)
+            engine.backward(losses)
             dpopt.step()
 
         return BuiltStep(dp_step)
 
-    return _opacus_step(workload, method, model, x, y, b)
+    return _opacus_step(workload, method, model, x, y, b, autocast)
 
 
 def _opacus_step(
-    workload: Workload, method: str, model: nn.Module, x: Any, y: Tensor, b: int
+    workload: Workload,
+    method: str,
+    model: nn.Module,
+    x: Any,
+    y: Tensor,
+    b: int,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
 ) -> BuiltStep:
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
@@ -558,11 +607,12 @@ def _opacus_step(
 
         def ghost_step() -> None:
             dp_opt.zero_grad()
-            logits = _logits(gs_model, workload, x)
-            if logits.dim() == 3:  # one privacy unit per sequence
-                loss = criterion(logits.flatten(0, 1), y.flatten(), shape=logits.shape)
-            else:
-                loss = criterion(logits, y)
+            with autocast():
+                logits = _logits(gs_model, workload, x)
+                if logits.dim() == 3:  # one privacy unit per sequence
+                    loss = criterion(logits.flatten(0, 1), y.flatten(), shape=logits.shape)
+                else:
+                    loss = criterion(logits, y)
             loss.backward()  # both backward passes
             dp_opt.step()
 
@@ -572,7 +622,9 @@ def _opacus_step(
 
     def hooks_step() -> None:
         dp_opt.zero_grad()
-        _mean_loss(workload, _logits(gs_model, workload, x), y).backward()
+        with autocast():
+            loss = _mean_loss(workload, _logits(gs_model, workload, x), y)
+        loss.backward()
         dp_opt.step()
 
     return BuiltStep(hooks_step, note)

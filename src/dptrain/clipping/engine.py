@@ -754,15 +754,17 @@ class ClippingEngine:
                 "gradient_checkpointing_kwargs={'use_reentrant': False})."
             )
         live: dict[_Use, list[_Call]] = {}
-        inside: dict[int, set[int]] = {}
+        inside: dict[int, dict[int, object]] = {}  # nodes held: their ids stay theirs
         for use in self._uses.values():
             calls = [c for c in use.calls if id(c.edge.node) in seen]
             if calls:
                 live[use] = calls
-                inside[id(use)] = set().union(*(interior(c.edge.node, c.in_nodes) for c in calls))
+                inside[id(use)] = {
+                    k: v for c in calls for k, v in interior(c.edge.node, c.in_nodes).items()
+                }
         outside = {}
         for name, uses in self._groups.items():
-            allowed = set().union(*(inside.get(id(u), set()) for u, _ in uses))
+            allowed = {k: v for u, _ in uses for k, v in inside.get(id(u), {}).items()}
             for node in uses_of.get(ids[name], []):
                 if id(node) not in allowed:
                     outside.setdefault(name, type(node).__name__)
@@ -938,8 +940,8 @@ class ClippingEngine:
         while a retained graph holds every activation fragments the heap: +280 MB
         resident for SmolLM2 LoRA on the checked chunk, with glibc.)
         ``parts``: a dict on a checked chunk, which then gets each streamed call's
-        (per-example gradients, g's dtype), or None where g was None, and keeps the
-        calls' inputs for the self-check's second look (self_check.py).
+        (per-example gradients, g's dtype, g's device), or None where g was None, and
+        keeps the calls' inputs for the self-check's second look (self_check.py).
         """
         wanted = [c.edge for u, c in calls if u not in streamed]
         if streamed:
@@ -995,7 +997,7 @@ class ClippingEngine:
         else:  # out of place: a checked call's own part stays as it was for the self-check
             self._per_example[use] = {k: acc[k] + v for k, v in grads.items()}
         if parts is not None:
-            parts[call] = (grads, g.dtype)
+            parts[call] = (grads, g.dtype, g.device)
         else:
             call.a = None  # its last reader: the input goes when autograd frees it
 
@@ -1372,12 +1374,13 @@ def _inputs_pattern(inputs: tuple | None, b: int) -> tuple:
 def _lookup_node(output: Tensor, weight: Tensor, stop_nodes: list):
     """The ``embedding`` autograd node of ``weight`` inside a module call, or None."""
     stop = {id(n) for n in stop_nodes if n is not None}
-    stack, seen = [output.grad_fn], set()
+    # Nodes held, not only their ids: a freed wrapper's id can be reused (graph_check).
+    stack, seen = [output.grad_fn], {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen or id(node) in stop:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if type(node).__name__ == "EmbeddingBackward0" and any(
             getattr(n, "variable", None) is weight for n, _ in node.next_functions
         ):

@@ -38,22 +38,24 @@ __all__ = ["REENTRANT_CHECKPOINT_NODE", "grad_node", "interior", "parameter_uses
 REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
 
 
-def interior(output_node, stop_nodes: Iterable) -> set[int]:
-    """ids of the graph nodes from ``output_node`` down to (excluding) ``stop_nodes``.
+def interior(output_node, stop_nodes: Iterable) -> dict[int, object]:
+    """The graph nodes from ``output_node`` down to (excluding) ``stop_nodes``, by id.
 
     ``stop_nodes`` are the nodes of the call's tensor inputs; leaves (the
-    ``AccumulateGrad`` nodes of parameters) end the walk as well.
+    ``AccumulateGrad`` nodes of parameters) end the walk as well. The nodes are
+    held in the returned dict: an id names a node only while its Python wrapper
+    is alive (see :func:`parameter_uses`).
     """
     if output_node is None:
-        return set()
-    stop = {id(n) for n in stop_nodes if n is not None}
-    seen: set[int] = set()
+        return {}
+    stop = {id(n): n for n in stop_nodes if n is not None}
+    seen: dict[int, object] = {}
     stack = [output_node]
     while stack:
         node = stack.pop()
         if id(node) in seen or id(node) in stop:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         for nxt, _ in node.next_functions:
             if nxt is not None and not hasattr(nxt, "variable"):
                 stack.append(nxt)
@@ -62,23 +64,28 @@ def interior(output_node, stop_nodes: Iterable) -> set[int]:
 
 def parameter_uses(
     roots: Iterable, watched: set[int]
-) -> tuple[dict[int, list], list[str], set[int], list]:
+) -> tuple[dict[int, list], list[str], dict[int, object], list]:
     """Walk the graph below ``roots``.
 
     Returns ({parameter id: [nodes that use it]} for the parameters in
-    ``watched``, [names of reentrant-checkpoint nodes found], ids of all nodes seen,
-    the ``AccumulateGrad`` nodes of the other leaves that need a gradient).
+    ``watched``, [names of reentrant-checkpoint nodes found], {id: node} of all
+    nodes seen, the ``AccumulateGrad`` nodes of the other leaves that need a gradient).
+
+    Nodes are kept by id *and* held: some PyTorch versions (2.11, not 2.13) free a
+    node's Python wrapper when the last reference to it goes and hand out a new
+    one on the next access, so an id kept without its wrapper can be reused by
+    another node's wrapper; a walk that kept ids alone skipped most of the graph.
     """
     uses: dict[int, list] = {}
     reentrant: list[str] = []
-    seen: set[int] = set()
+    seen: dict[int, object] = {}
     others: dict[int, object] = {}
     stack = [r for r in roots if r is not None]
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         name = type(node).__name__
         if name == REENTRANT_CHECKPOINT_NODE:
             reentrant.append(name)

@@ -19,7 +19,8 @@ along their last (feature) dimension, so the check holds kilobytes where the
 inputs of every layer would take hundreds of megabytes (a difference between
 two rows survives a random projection with probability 1). Example i's rows
 of the batched run must equal the run of example i alone (relative tolerance
-by dtype, for kernels that block sums differently at batch size 1). A call
+by dtype, for kernels that block sums differently at batch size 1; float32 under
+TF32 gets float16's, :mod:`~dptrain.clipping.precision`). A call
 whose input has the same shape in both runs is a table shared by all examples
 and must be equal as a whole. A mismatch refuses the model, naming the
 module.
@@ -42,6 +43,7 @@ import torch
 from torch import Tensor
 
 from dptrain.clipping.layout import example_slice
+from dptrain.clipping.precision import tolerance_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     from dptrain.clipping.engine import ClippingEngine
@@ -103,7 +105,8 @@ def run(engine: ClippingEngine, uses, b: int) -> None:
                         unverified.append(f"{use.name} ({type(use.module).__name__})")
                         continue  # which the projection sums over
                     err = _difference(x, y, i, b)
-                    if err > INPUT_TOLERANCE.get(dtype, 0.0):
+                    tol_dtype = tolerance_dtype(dtype, x.device, engine.model)  # TF32
+                    if err > INPUT_TOLERANCE.get(tol_dtype, 0.0):
                         raise UnsupportedModelError(
                             f"module {use.name} ({type(use.module).__name__}): the input of "
                             f"its call {k} for example {i} differs when the example is run "

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from dptrain.clipping.precision import tolerance_dtype
+
 if TYPE_CHECKING:  # pragma: no cover
     from dptrain.clipping.engine import ClippingEngine
 
@@ -74,8 +76,8 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
 
     ``calls``: every recorded (use, call) the losses depend on; ``grads``: their output
     gradients, None for a streamed call, whose per-example gradients were formed during
-    the backward and its g dropped (``parts[call]``: (those gradients, g's dtype), or
-    None where g was None; engine._output_gradients).
+    the backward and its g dropped (``parts[call]``: (those gradients, g's dtype, g's
+    device), or None where g was None; engine._output_gradients).
 
     One backward of sum_i w_i L_i. Its gradients are checked as autograd produces them
     and then dropped (hooks on the recorded outputs' nodes and on the parameters), so the
@@ -87,17 +89,22 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
     b = losses.shape[0]
     w = check_weights(b, losses.dtype, losses.device, seed=engine.self_checks)
     edges = [call.edge for _, call in calls]
-    g_dtypes = [
-        parts[call][1] if parts.get(call) else (g.dtype if g is not None else None)
+    # g's dtype and device per call (a streamed call's g is gone: kept in parts), or None
+    g_meta = [
+        parts[call][1:] if parts.get(call) else ((g.dtype, g.device) if g is not None else None)
         for (_, call), g in zip(calls, grads, strict=True)
     ]
+    g_dtypes = [None if m is None else m[0] for m in g_meta]
+    g_devices = [None if m is None else m[1] for m in g_meta]
     low = any(d in (torch.bfloat16, torch.float16) for d in g_dtypes)
     dtype = _record_dtype(
         [g for _, g in records.values()]
         + [t for part in parts.values() if part for t in part[0].values()]
     )
     w_records = w.to(dtype)
-    tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[dtype]
+    # float32 on a GPU with TF32 matrix products rounds as float16 does (precision.py)
+    tol_dtype = tolerance_dtype(dtype, losses.device, engine.model)
+    tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[tol_dtype]
 
     # rows: per recorded output, the weighted gradient against w_i times the plain one
     row_errors: list[float] = [0.0 if d is None else math.inf for d in g_dtypes]
@@ -155,8 +162,14 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
         for n, g in saved.items():
             engine.parameter(n).grad = g
 
-    for (use, call), g_dtype, err in zip(calls, g_dtypes, row_errors, strict=True):
-        if err > ROW_TOLERANCE.get(g_dtype or torch.float32, 1e-5):
+    for (use, call), g_dtype, g_device, err in zip(
+        calls, g_dtypes, g_devices, row_errors, strict=True
+    ):
+        # float32 under TF32 on a GPU is checked at float16's tolerance (precision.py)
+        tol_dtype = (
+            torch.float32 if g_dtype is None else tolerance_dtype(g_dtype, g_device, engine.model)
+        )
+        if err > ROW_TOLERANCE.get(tol_dtype, 1e-5):
             raise UnsupportedModelError(
                 f"module {use.name} ({type(use.module).__name__}): the rows of its "
                 f"{_describe(call, b)} are not one per example: re-weighting each example's "
@@ -186,7 +199,9 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
         err = diff / scale if scale > 0 else 0.0
         ptol = tol
         if any(u.rule.float32_inside for u, _ in engine._groups[name]):
-            ptol = max(tol, SUM_TOLERANCE[torch.float32])
+            ptol = max(
+                tol, SUM_TOLERANCE[tolerance_dtype(torch.float32, losses.device, engine.model)]
+            )
         if err > ptol:
             owners = ", ".join(
                 f"{u.name} ({type(u.module).__name__})" for u, _ in engine._groups[name]
@@ -233,7 +248,7 @@ def _streamed_rows_error(engine, use, call, part, wg: Tensor | None, w: Tensor) 
     from row i, example i's gradient. Formed from the re-weighted g it must be w_i times
     the one formed from g; a row carrying another example's loss changes it unless that
     contribution vanishes in example i's gradient, the quantity clipped (part: the
-    call's per-example gradients and g's dtype, or None where g was None)."""
+    call's per-example gradients, g's dtype and device, or None where g was None)."""
     b = w.shape[0]
     if part is None or wg is None:
         return 0.0 if part is None and wg is None else math.inf

@@ -63,7 +63,6 @@ import logging
 import math
 import random
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,8 +96,9 @@ from dptrain.data.lm_records import (
 )
 from dptrain.data.poisson import DPDataLoader
 from dptrain.losses import per_example_lm_loss
-from dptrain.models.pretrained import SMOLLM2, load_pretrained_lm
+from dptrain.models.pretrained import SMOLLM2
 from dptrain.privacy_engine import make_private
+from dptrain.recipes._causal_lm import LLAMA_PROJECTIONS, add_lora, load_causal_lm
 from dptrain.recipes._common import (
     DELTA_RULES,
     check_choice,
@@ -126,8 +126,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: The seven linear projections of a Llama block (attention and MLP): LoRA's default targets.
-LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: ``optimizer=`` choices: Adam (L2 penalty in the gradient), AdamW (decoupled decay), SGD.
 OPTIMIZERS = ("adamw", "adam", "sgd")
 _FORMATS = ("auto", *RECORD_FORMATS)
@@ -327,85 +325,6 @@ class LMFinetuneConfig:
 # -- setup -------------------------------------------------------------------------------------
 
 
-def _check_model_folder(name: str) -> None:
-    """Refuse, from its config.json alone, a folder that holds no causal LM."""
-    if name == SMOLLM2:
-        return
-    folder = Path(name).expanduser()
-    allowed = f"{SMOLLM2!r} or a local Hugging Face causal-LM folder (save_pretrained layout)"
-    if not folder.is_dir():
-        raise ValueError(f"model={name!r} is not allowed: no such folder; expected {allowed}")
-    config = folder / "config.json"
-    if not config.is_file():
-        raise ValueError(
-            f"model={name!r} is not allowed: it has no config.json; expected {allowed}"
-        )
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if architectures and not causal.intersection(architectures):
-        raise ValueError(
-            f"model={name!r} is not allowed: its config.json names {architectures}, no causal "
-            f"language model (e.g. LlamaForCausalLM, GPT2LMHeadModel); expected {allowed}"
-        )
-
-
-def _load_model(cfg: LMFinetuneConfig) -> tuple[nn.Module, Any]:
-    """The pretrained model and its tokenizer; loading problems as errors naming ``model``."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()  # one bar per run: the training one
-    _check_model_folder(cfg.model)
-    try:
-        model, tokenizer = load_pretrained_lm(cfg.model, num_layers=cfg.num_layers)
-    except ImportError as err:
-        raise ValueError(f"model={cfg.model!r} cannot be loaded here: {err}") from None
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(
-            f"model={cfg.model!r} is not allowed: it did not load as a causal LM with its "
-            f"tokenizer ({err})"
-        ) from None
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and cfg.max_length > limit:
-        raise ValueError(
-            f"max_length={cfg.max_length} is not allowed with model={cfg.model!r}: expected at "
-            f"most its max_position_embeddings={limit}"
-        )
-    return model, tokenizer
-
-
-def _add_lora(model: nn.Module, cfg: LMFinetuneConfig) -> nn.Module:
-    """LoRA adapters on ``cfg.lora_targets`` (the base frozen), after checking that each
-    target names a linear module of the model (peft itself would skip a missing one)."""
-    import peft
-    from transformers.pytorch_utils import Conv1D
-
-    kinds: dict[str, type] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear | Conv1D):
-            kinds.setdefault(name.rsplit(".", 1)[-1], type(module))
-    missing = [t for t in cfg.lora_targets if t not in kinds]
-    if missing:
-        raise ValueError(
-            f"lora_targets={list(cfg.lora_targets)} is not allowed for "
-            f"{type(model).__name__}: it has no linear module named {missing}; its linear "
-            f"modules are {sorted(kinds)}"
-        )
-    config = peft.LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=0.0,
-        target_modules=list(cfg.lora_targets),
-        # GPT-2's Conv1D stores its weight as (in, out)
-        fan_in_fan_out=any(kinds[t] is Conv1D for t in cfg.lora_targets),
-    )
-    with warnings.catch_warnings():  # transformers 5 deprecates what peft 0.21 asks
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-        return peft.get_peft_model(model, config)
-
-
 def _optimizer(params: list[dict[str, Any]], cfg: LMFinetuneConfig) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr)
@@ -566,9 +485,11 @@ def _setup(cfg: LMFinetuneConfig) -> _Setup:
     Every bad input is found here, before anything is written.
     """
     train_records, valid_records, file_summary = _read_and_split(cfg)
-    model, tokenizer = _load_model(cfg)
+    model, tokenizer = load_causal_lm(
+        cfg.model, num_layers=cfg.num_layers, max_length=cfg.max_length
+    )
     if cfg.lora_r > 0:
-        model = _add_lora(model, cfg)
+        model = add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, targets=cfg.lora_targets)
     else:
         model.requires_grad_(True)  # every parameter, the tied embedding and norms included
     tokenize = functools.partial(

@@ -82,6 +82,12 @@ from dptrain.accounting import (
 from dptrain.config import save_config
 from dptrain.data.e2e import load_e2e
 from dptrain.losses import per_example_cross_entropy
+from dptrain.recipes._causal_lm import (
+    LLAMA_PROJECTIONS,
+    add_lora,
+    check_model_folder,
+    load_causal_lm,
+)
 from dptrain.recipes._common import (
     DELTA_RULES,
     check_choice,
@@ -133,6 +139,18 @@ class Table2TextConfig:
     init_from: str | None = None
     """A local HF GPT-2 checkpoint folder (``save_pretrained``) to fine-tune; null
     builds the model from the config below (random weights)."""
+    pretrained: str | None = None
+    """A pretrained causal LM to fine-tune with its own tokenizer: ``smollm2-135m-instruct``
+    (the packaged SmolLM2-135M-Instruct) or a local Hugging Face causal-LM folder. Its
+    end-of-text token also separates table and text when it has no separator token, so
+    no embedding row is added. Null: ``init_from``, or a GPT-2 built from the config below."""
+    num_layers: int | None = None
+    """Keep only the first ``num_layers`` decoder layers of ``pretrained`` (null: all)."""
+    lora_r: int = 0
+    """LoRA rank on ``lora_targets`` of ``pretrained``, the base frozen; 0 trains every
+    parameter (the tied embedding by phantom clipping)."""
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = LLAMA_PROJECTIONS
     n_layer: int = 2
     n_embd: int = 128
     n_head: int = 4
@@ -195,6 +213,11 @@ class Table2TextConfig:
         check_int("max_new_tokens", self.max_new_tokens, 1)
         for name in ("no_repeat_ngram_size", "n_samples", "num_threads", "seed", "split_seed"):
             check_int(name, getattr(self, name), 0)
+        check_int("lora_r", self.lora_r, 0)
+        check_positive("lora_alpha", self.lora_alpha)
+        if self.num_layers is not None:
+            check_int("num_layers", self.num_layers, 1)
+        self._check_pretrained()
         for name in ("max_test_tables", "max_valid_tables"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 0)
@@ -226,6 +249,29 @@ class Table2TextConfig:
                 "a save_pretrained GPT-2 checkpoint (nothing is downloaded)"
             )
 
+    def _check_pretrained(self) -> None:
+        if self.pretrained is None:
+            for name, default in (("lora_r", 0), ("num_layers", None)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} is not allowed without pretrained=: "
+                        "LoRA and layer cuts apply to a pretrained model"
+                    )
+            return
+        for name in ("init_from", "tokenizer"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not allowed with pretrained="
+                    f"{self.pretrained!r}: the pretrained model comes with its own weights "
+                    "and tokenizer; expected null"
+                )
+        check_model_folder(self.pretrained, "pretrained")
+        if self.lora_r > 0 and not self.lora_targets:
+            raise ValueError(
+                f"lora_targets={list(self.lora_targets)!r} is not allowed with lora_r="
+                f"{self.lora_r}: expected module names such as {list(LLAMA_PROJECTIONS)}"
+            )
+
     @property
     def private(self) -> bool:
         return self.epsilon is not None
@@ -252,6 +298,7 @@ class FittedLM:
     """Mean gradient SNR ||clipped sum|| / ||noise|| over the first 30 steps (Li et al. Fig. 3b)."""
     tokenizer_note: str = ""
     n_truncated: int = 0
+    n_trainable: int = 0
 
 
 # -- encoding ---------------------------------------------------------------------------------
@@ -424,6 +471,30 @@ def _tokenizer_for(cfg: Table2TextConfig, train: Sequence[tuple[str, str]], out:
     return tok, note
 
 
+def _pretrained_model(cfg: Table2TextConfig):
+    """``cfg.pretrained`` with its tokenizer (a separator added without a new token) and
+    LoRA adapters when ``cfg.lora_r`` > 0, else every parameter trainable."""
+    model, tok = load_causal_lm(
+        cfg.pretrained,
+        num_layers=cfg.num_layers,
+        max_length=cfg.max_len,
+        setting="pretrained",
+        length_setting="max_len",
+    )
+    # A new [SEP] row would be the one untrained (random) row of a pretrained embedding;
+    # the end-of-text token separates as well (Li & Liang's format puts it there for GPT-2).
+    if tok.sep_token_id is None:
+        tok.sep_token = tok.eos_token
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if cfg.lora_r > 0:
+        model = add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, targets=cfg.lora_targets)
+    else:
+        model.requires_grad_(True)  # every parameter, the tied embedding and norms included
+    note = f"the pretrained model's own tokenizer ({cfg.pretrained}; public, outside this run)"
+    return model, tok, note
+
+
 def _build_model(cfg: Table2TextConfig, tokenizer):
     import transformers
 
@@ -522,8 +593,13 @@ def fit_table2text(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    tokenizer, note = _tokenizer_for(cfg, train, out)
-    model = _build_model(cfg, tokenizer).to(cfg.device)
+    if cfg.pretrained is not None:
+        model, tokenizer, note = _pretrained_model(cfg)
+    else:
+        tokenizer, note = _tokenizer_for(cfg, train, out)
+        model = _build_model(cfg, tokenizer)
+    model = model.to(cfg.device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     n = len(train)
     q = sample_rate_from_batch(min(cfg.batch_size, n), n)
     steps = steps_from_epochs(cfg.epochs, q)
@@ -548,7 +624,7 @@ def fit_table2text(
     enc = _padded(tokenizer, seqs, starts)
     valid_enc = encode_pairs(tokenizer, valid, cfg.max_len)
     dataset = torch.utils.data.TensorDataset(enc["input_ids"], enc["attention_mask"], enc["labels"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model.train()
     ledger = None
     if cfg.private:
@@ -673,6 +749,7 @@ def fit_table2text(
         snr_first=sum(finite) / len(finite) if finite else None,
         tokenizer_note=note,
         n_truncated=n_truncated,
+        n_trainable=sum(p.numel() for p in trainable),
     )
 
 
@@ -887,7 +964,10 @@ def train_table2text(cfg: Table2TextConfig) -> dict[str, Any]:
         "test_tables_total": len(group_references(splits.test)),
         "beam_size": cfg.beam_size,
         "no_repeat_ngram_size": cfg.no_repeat_ngram_size,
+        "model": cfg.pretrained or cfg.init_from or "GPT-2 from the config (random weights)",
+        "lora_r": cfg.lora_r,
         "n_parameters": sum(p.numel() for p in fitted.model.parameters()),
+        "n_trainable_parameters": fitted.n_trainable,
         "vocab_size": len(fitted.tokenizer),
         "n_train_pairs": n,
         "n_valid_pairs": len(splits.valid),

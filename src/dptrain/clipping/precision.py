@@ -1,0 +1,45 @@
+"""Which rounding a float32 computation really has, for the self-check's tolerances.
+
+The self-check (:mod:`~dptrain.clipping.self_check`) and the independence check
+(:mod:`~dptrain.clipping.independence`) compare two computations of the same
+quantity in different orders or at different batch sizes, with a tolerance by
+dtype. On a GPU, float32 matrix products run in TF32 when the user allows it
+(``torch.backends.cuda.matmul.allow_tf32``, ``torch.set_float32_matmul_precision
+("high")``, the environment variable ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE``,
+Hugging Face ``TrainingArguments(tf32=True)``), and cuDNN convolutions do by
+default (``torch.backends.cudnn.allow_tf32``). TF32 keeps 10 mantissa bits,
+float16's, so a float32 tolerance (1e-4) refuses correct models there: SmolLM2
+on an H100 with TF32 matmuls differed by 1.2e-4 between a chunk and one example
+alone. Such tensors are checked at float16's tolerance instead, which still
+refuses the mixing the checks are for (relative differences of order one).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["tf32_in_use", "tolerance_dtype"]
+
+
+def tf32_in_use(device: torch.device | str, model: nn.Module | None = None) -> bool:
+    """Whether float32 work on ``device`` may run in TF32: CUDA matrix products when
+    TF32 is allowed for them, or cuDNN convolutions (allowed by default) when ``model``
+    has a convolution."""
+    if torch.device(device).type != "cuda":
+        return False
+    if torch.backends.cuda.matmul.allow_tf32:
+        return True
+    if torch.backends.cudnn.allow_tf32 and model is not None:
+        return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    return False
+
+
+def tolerance_dtype(
+    dtype: torch.dtype, device: torch.device | str, model: nn.Module | None = None
+) -> torch.dtype:
+    """The dtype whose tolerance a ``dtype`` tensor computed on ``device`` gets:
+    ``torch.float16`` for float32 under TF32 (the same mantissa), else ``dtype``."""
+    if dtype == torch.float32 and tf32_in_use(device, model):
+        return torch.float16
+    return dtype

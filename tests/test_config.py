@@ -132,3 +132,14 @@ def test_split_config_values_names_unknown_keys_and_both_allowed_sets():
         "unknown config key(s) ['lrr']: allowed keys are the studies' ['epsilons'] "
         "and the training config's ['lr']"
     )
+
+
+def test_overrides_keep_prompts_with_colons_and_braces_as_text():
+    from dptrain.config import parse_overrides
+
+    got = parse_overrides(
+        ["prompt=Review:", "p=Write a {label} review:", "m={a: 1}", "lr=1e-3", "t=[a, b]"]
+    )
+    assert got["prompt"] == "Review:"
+    assert got["p"] == "Write a {label} review:"
+    assert got["m"] == {"a": 1} and got["t"] == ["a", "b"]

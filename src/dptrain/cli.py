@@ -200,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(p)
 
     p = sub.add_parser(
+        "generate",
+        help="DP synthetic text from a `train lm` model: dptrain generate model=FOLDER n=N "
+        "[prompt=... labels=a,b ...]",
+    )
+    _add_config_arguments(p)
+
+    p = sub.add_parser(
         "demo", help="the main job: a short DPFormer experiment on MovieLens-100k (< 10 min)"
     )
     p.add_argument("--out", default="runs/demo", help="run folder")
@@ -748,6 +755,21 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """``dptrain generate``: synthetic records from a ``train lm`` model, with their guarantee."""
+    from dptrain.config import load_config
+    from dptrain.recipes.generate import GenerateConfig, run_generate
+
+    cfg = load_config(GenerateConfig, args.config, args.overrides)
+    report = run_generate(cfg)
+    print(report["guarantee"])
+    print(
+        f"{report['n']} records ({report['empty_records']} empty), "
+        f"{report['tokens_per_s']:.1f} tokens/s: {cfg.out}/synthetic.jsonl, {cfg.out}/report.json"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dptrain`` command; returns the exit code (2 for bad input)."""
     parser = build_parser()
@@ -764,6 +786,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             run_demo(args.out)
             return 0
+        if args.command == "generate":
+            return _generate(args)
         if args.command in ("train", "experiment", "demo", "study", "audit"):
             return _run_recipe(args, argv)
         if args.command == "bench":

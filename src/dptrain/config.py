@@ -49,10 +49,16 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not allowed: expected key=value")
+        text = raw.strip()
         try:
-            out[key] = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from None
+            value = yaml.safe_load(raw) if text else ""
+        except yaml.YAMLError:
+            value = raw  # "Review: {x}" is a prompt, not broken YAML
+        # A prompt such as "Review:" reads as a one-key mapping in YAML; a mapping is only
+        # meant when written as one ({a: 1}) and a list when written [a, b].
+        if isinstance(value, dict) and not text.startswith("{"):
+            value = raw
+        out[key] = value
     return out
 
 

@@ -94,6 +94,7 @@ __all__ = [
     "detect_record_format",
     "lm_pad_token_id",
     "lm_records_from_rows",
+    "prompt_ids",
     "read_lm_records",
     "split_by_group",
     "split_lm_records",
@@ -538,6 +539,13 @@ def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[i
     if not texts:
         return []
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """The token ids a prompt/completion or text record starts with, for generation:
+    the tokenizer's leading special tokens, then ``prompt`` (what training put before
+    the completion; ``""`` for text records)."""
+    return _leading_special_ids(tokenizer) + (_encode(tokenizer, [prompt])[0] if prompt else [])
 
 
 def _leading_special_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -18,6 +18,8 @@
 - :mod:`dptrain.recipes.lm_finetune`: DP fine-tuning of a pretrained causal LM
   (the packaged SmolLM2 or a local folder; LoRA or full, record- or user-level)
   on the user's records (``dptrain train lm``).
+- :mod:`dptrain.recipes.generate`: DP synthetic text from a ``train lm`` model
+  (``dptrain generate``; the guarantee carries over by post-processing).
 - :mod:`dptrain.recipes.exposure`: canary exposure, private vs non-private
   (``dptrain audit exposure``).
 - :mod:`dptrain.recipes.audit_one_run`: the one-run privacy audit

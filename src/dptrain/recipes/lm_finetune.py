@@ -850,6 +850,8 @@ def _privacy_record(cfg: LMFinetuneConfig, s: _Setup, eps_all: dict[str, float])
             "steps": s.steps,
             "trained_parameters": trained,
             "base_model": base,
+            "base_model_id": cfg.model,
+            "base_num_layers": cfg.num_layers,
         }
     seed_note = (
         "sampling and noise seeded from the operating system"
@@ -883,6 +885,9 @@ def _privacy_record(cfg: LMFinetuneConfig, s: _Setup, eps_all: dict[str, float])
         f"per step, {cfg.optimizer} on the noisy gradient",
         "trained_parameters": trained,
         "base_model": base,
+        # what `dptrain generate` loads an adapter onto
+        "base_model_id": cfg.model,
+        "base_num_layers": cfg.num_layers,
         "covered": [
             f"the {n} {_unit_noun(cfg)}s of the training split of {cfg.data}: the released "
             "weights (or adapter) and everything computed from the noisy training steps",

@@ -1,0 +1,151 @@
+"""`dptrain generate`: synthetic records from a `train lm` model, with the model's guarantee."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from dptrain.cli import main
+from dptrain.recipes.generate import GenerateConfig, generate_records, load_generator, run_generate
+from dptrain.recipes.lm_finetune import LMFinetuneConfig, train_lm
+from tests.lm_helpers import make_small_tokenizer, save_tiny_llama
+
+WORDS = ["red", "blue", "green", "gold"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny Llama DP-trained by `train lm`, fully and with LoRA, on labelled reviews."""
+    root = tmp_path_factory.mktemp("gen")
+    rows = [
+        {"prompt": f"Review ({lab}):", "completion": f" {WORDS[i % 4]} is {lab}."}
+        for i in range(40)
+        for lab in ("good", "bad")
+    ]
+    tok = make_small_tokenizer(corpus=[r["prompt"] + r["completion"] for r in rows])
+    save_tiny_llama(root / "tiny", tok)
+    pd.DataFrame(rows).to_json(root / "data.jsonl", orient="records", lines=True)
+    folders = {}
+    for name, lora_r in (("full", 0), ("lora", 4)):
+        cfg = LMFinetuneConfig(
+            data=str(root / "data.jsonl"),
+            model=str(root / "tiny"),
+            lora_r=lora_r,
+            steps=2,
+            batch_size=8,
+            max_physical_batch_size=8,
+            eval_every=2,
+            max_length=24,
+            num_generations=0,
+            seed=0,
+            epsilon=8.0,
+            progress=False,
+            out=str(root / name),
+        )
+        train_lm(cfg)
+        folders[name] = root / name / "model"
+    return folders
+
+
+def _cfg(folder, tmp_path, **kw) -> GenerateConfig:
+    values = dict(
+        model=str(folder),
+        n=5,
+        prompt="Review ({label}):",
+        labels=("good", "bad"),
+        max_new_tokens=6,
+        batch_size=2,
+        progress=False,
+        out=str(tmp_path / "gen"),
+    )
+    values.update(kw)
+    return GenerateConfig(**values)
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_generates_labelled_records_with_the_models_guarantee(trained, tmp_path, kind):
+    cfg = _cfg(trained[kind], tmp_path)
+    report = run_generate(cfg)
+    privacy = json.loads((trained[kind] / "privacy.json").read_text())
+    assert report["epsilon"] == privacy["epsilon"] and report["delta"] == privacy["delta"]
+    assert "post-processing" in report["guarantee"]
+    assert report["guarantee"].startswith(privacy["guarantee"])
+    rows = [json.loads(x) for x in (tmp_path / "gen" / "synthetic.jsonl").read_text().splitlines()]
+    assert [r["label"] for r in rows] == ["good", "bad", "good", "bad", "good"]
+    assert all(isinstance(r["text"], str) for r in rows)
+    assert report["tokens_generated"] > 0
+    # seeded: the same settings give the same records
+    assert run_generate(cfg)["tokens_generated"] == report["tokens_generated"]
+    again = [json.loads(x) for x in (tmp_path / "gen" / "synthetic.jsonl").read_text().splitlines()]
+    assert again == rows
+
+
+def test_an_adapter_is_loaded_onto_its_base_and_used(trained, tmp_path):
+    import peft
+
+    from dptrain.models.pretrained import load_pretrained_lm
+
+    model, _, privacy = load_generator(trained["lora"])
+    base, _ = load_pretrained_lm(privacy["base_model_id"])
+    reference = peft.PeftModel.from_pretrained(base, trained["lora"]).eval()
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, reference(input_ids=ids).logits
+        plain = load_pretrained_lm(privacy["base_model_id"])[0](input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(got, plain, atol=1e-5)  # the adapter changed the model
+
+
+def test_records_follow_the_labels_in_turn(trained, tmp_path):
+    model, tokenizer, _ = load_generator(trained["full"])
+    cfg = _cfg(trained["full"], tmp_path, n=7, labels=("a", "b", "c"))
+    records = generate_records(model, tokenizer, cfg)
+    assert [r["label"] for r in records] == ["a", "b", "c", "a", "b", "c", "a"]
+
+
+def test_cli(trained, tmp_path, capsys):
+    out = tmp_path / "cli"
+    code = main(
+        [
+            "generate",
+            f"model={trained['full']}",
+            "n=3",
+            "prompt=Review:",
+            f"out={out}",
+            "max_new_tokens=4",
+            "progress=false",
+        ]
+    )
+    assert code == 0
+    assert "post-processing" in capsys.readouterr().out
+    lines = (out / "synthetic.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and set(json.loads(lines[0])) == {"text"}
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"n": 0}, "n=0"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"prompt": "Review:"}, "the prompt must say where the label goes"),
+        ({"labels": ("a", "a")}, "a label is repeated"),
+        ({"device": "tpu"}, "device='tpu'"),
+    ],
+)
+def test_bad_settings_are_named(trained, tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(trained["full"], tmp_path, **kw)
+
+
+def test_a_model_without_privacy_record_is_refused(tmp_path):
+    folder = save_tiny_llama(tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"has no privacy\.json"):
+        GenerateConfig(model=str(folder))
+    with pytest.raises(ValueError, match="model is required"):
+        GenerateConfig()
+    with pytest.raises(ValueError, match="no such folder"):
+        GenerateConfig(model=str(tmp_path / "absent"))

@@ -19,10 +19,11 @@ def test_walk_reaches_every_node_of_a_long_chain():
     # give its id to the next node's wrapper; a walk keeping ids alone then took most
     # nodes for seen ones and stopped after three (zero norms, no gradient, on 2.11).
     w, loss = _chain(60)
-    uses, reentrant, seen = parameter_uses([loss.grad_fn], {id(w)})
+    uses, reentrant, seen, others = parameter_uses([loss.grad_fn], {id(w)})
     assert len(seen) == 62  # sum, 60 chain nodes, the use of w
     assert [type(n).__name__ for n in uses[id(w)]] == ["MulBackward0"]
     assert reentrant == []
+    assert others == []  # no other leaf needs a gradient
 
 
 def test_interior_holds_the_nodes_it_names():

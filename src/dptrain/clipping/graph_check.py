@@ -64,12 +64,12 @@ def interior(output_node, stop_nodes: Iterable) -> dict[int, object]:
 
 def parameter_uses(
     roots: Iterable, watched: set[int]
-) -> tuple[dict[int, list], list[str], dict[int, object]]:
+) -> tuple[dict[int, list], list[str], dict[int, object], list]:
     """Walk the graph below ``roots``.
 
     Returns ({parameter id: [nodes that use it]} for the parameters in
     ``watched``, [names of reentrant-checkpoint nodes found], {id: node} of all
-    nodes seen).
+    nodes seen, the ``AccumulateGrad`` nodes of the other leaves that need a gradient).
 
     Nodes are kept by id *and* held: some PyTorch versions (2.11, not 2.13) free a
     node's Python wrapper when the last reference to it goes and hand out a new
@@ -79,6 +79,7 @@ def parameter_uses(
     uses: dict[int, list] = {}
     reentrant: list[str] = []
     seen: dict[int, object] = {}
+    others: dict[int, object] = {}
     stack = [r for r in roots if r is not None]
     while stack:
         node = stack.pop()
@@ -95,9 +96,11 @@ def parameter_uses(
             if variable is not None:  # AccumulateGrad: a leaf tensor
                 if id(variable) in watched:
                     uses.setdefault(id(variable), []).append(node)
+                else:
+                    others[id(nxt)] = nxt
             elif id(nxt) not in seen:
                 stack.append(nxt)
-    return uses, reentrant, seen
+    return uses, reentrant, seen, list(others.values())
 
 
 def grad_node(t: Tensor):

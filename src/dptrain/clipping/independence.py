@@ -48,7 +48,7 @@ from dptrain.clipping.precision import tolerance_dtype
 if TYPE_CHECKING:  # pragma: no cover
     from dptrain.clipping.engine import ClippingEngine
 
-__all__ = ["INPUT_TOLERANCE", "UnsupportedInputsWarning", "run"]
+__all__ = ["INPUT_TOLERANCE", "SummaryPool", "UnsupportedInputsWarning", "run", "summary"]
 
 
 class UnsupportedInputsWarning(UserWarning):
@@ -127,13 +127,43 @@ def run(engine: ClippingEngine, uses, b: int) -> None:
         )
 
 
-def summary(x: Tensor) -> tuple[tuple[int, ...], torch.dtype, Tensor]:
+class SummaryPool:
+    """Storage for the summaries of one probe run, handed out from a few large blocks.
+
+    A probe runs while the chunk's activations are alive, so the heap has no free room
+    below its top: hundreds of small summaries allocated one by one land between each
+    layer's temporaries and pin them, and glibc's heap grew by up to 400 MB (resident,
+    never returned) on SmolLM2; copied into blocks, they pin nothing.
+    """
+
+    def __init__(self, block: int = 1 << 20):
+        self.block = block
+        self._blocks: dict[tuple, tuple[Tensor, int]] = {}  # (dtype, device) -> (block, used)
+
+    def hold(self, v: Tensor) -> Tensor:
+        """A copy of ``v`` in the pool."""
+        key, n = (v.dtype, v.device), v.numel()
+        block, used = self._blocks.get(key, (None, 0))
+        if block is None or used + n > block.numel():
+            block, used = v.new_empty(max(self.block, n)), 0
+        self._blocks[key] = (block, used + n)
+        return block[used : used + n].view(v.shape).copy_(v)
+
+
+def summary(
+    x: Tensor, pool: SummaryPool | None = None
+) -> tuple[tuple[int, ...], torch.dtype, Tensor]:
     """(shape, dtype, values) of a module input: ids as they are; floating values
-    projected on a fixed unit Gaussian vector along the last dimension, in float64."""
+    projected on a fixed unit Gaussian vector along the last dimension, in float64
+    (kept in ``pool`` where one is given)."""
     x = x.detach()
-    if not x.is_floating_point() or x.dim() == 0 or x.shape[-1] <= 1:
-        return tuple(x.shape), x.dtype, x.double() if x.is_floating_point() else x
-    return tuple(x.shape), x.dtype, x.double() @ _direction(x.shape[-1], x.device)
+    if not x.is_floating_point():
+        return tuple(x.shape), x.dtype, x
+    if x.dim() == 0 or x.shape[-1] <= 1:
+        values = x.double()
+    else:
+        values = x.double() @ _direction(x.shape[-1], x.device)
+    return tuple(x.shape), x.dtype, values if pool is None else pool.hold(values)
 
 
 _DIRECTIONS: dict = {}

@@ -13,6 +13,8 @@ sum_i w_i L_i with weights w_i = 2^e_i (e_i random in -3..3):
    example's loss (a shared table whose length equals the chunk size, a
    time-first tensor with T = B, an operation that mixes the examples, a loss
    with in-batch negatives) differs by an amount of the order of the mixing.
+   A streamed module's g is not kept (engine._output_gradients): the test is made
+   on what the engine reads from row i, example i's gradient formed from it.
 2. **Completeness.** For every clipped parameter, the rules' weighted sum
    sum_i w_i grad_i (book-keeping from the recorded a and g) must equal
    autograd's gradient of sum_i w_i L_i. This checks each rule's algebra on
@@ -69,8 +71,13 @@ def check_weights(b: int, dtype: torch.dtype, device: torch.device, seed: int = 
     return torch.pow(2.0, e.to(torch.float64)).to(dtype=dtype, device=device)
 
 
-def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, records) -> None:
+def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) -> None:
     """Raise :class:`~dptrain.clipping.UnsupportedModelError` if the chunk fails the check.
+
+    ``calls``: every recorded (use, call) the losses depend on; ``grads``: their output
+    gradients, None for a streamed call, whose per-example gradients were formed during
+    the backward and its g dropped (``parts[call]``: (those gradients, g's dtype, g's
+    device), or None where g was None; engine._output_gradients).
 
     One backward of sum_i w_i L_i. Its gradients are checked as autograd produces them
     and then dropped (hooks on the recorded outputs' nodes and on the parameters), so the
@@ -81,16 +88,26 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
 
     b = losses.shape[0]
     w = check_weights(b, losses.dtype, losses.device, seed=engine.self_checks)
-    calls = [(use, call) for use in active for call in live[use]]
-    low = any(g is not None and g.dtype in (torch.bfloat16, torch.float16) for g in grads)
-    dtype = _record_dtype(records)
+    edges = [call.edge for _, call in calls]
+    # g's dtype and device per call (a streamed call's g is gone: kept in parts), or None
+    g_meta = [
+        parts[call][1:] if parts.get(call) else ((g.dtype, g.device) if g is not None else None)
+        for (_, call), g in zip(calls, grads, strict=True)
+    ]
+    g_dtypes = [None if m is None else m[0] for m in g_meta]
+    g_devices = [None if m is None else m[1] for m in g_meta]
+    low = any(d in (torch.bfloat16, torch.float16) for d in g_dtypes)
+    dtype = _record_dtype(
+        [g for _, g in records.values()]
+        + [t for part in parts.values() if part for t in part[0].values()]
+    )
     w_records = w.to(dtype)
     # float32 on a GPU with TF32 matrix products rounds as float16 does (precision.py)
     tol_dtype = tolerance_dtype(dtype, losses.device, engine.model)
     tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[tol_dtype]
 
     # rows: per recorded output, the weighted gradient against w_i times the plain one
-    row_errors: list[float] = [0.0 if g is None else math.inf for g in grads]
+    row_errors: list[float] = [0.0 if d is None else math.inf for d in g_dtypes]
     by_node: dict[int, list[int]] = {}
     for k, edge in enumerate(edges):
         by_node.setdefault(id(edge.node), []).append(k)
@@ -98,22 +115,30 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
     def rows_hook(node):
         def hook(grad_outputs):
             for k in by_node[id(node)]:
+                use, call = calls[k]
                 wg = grad_outputs[edges[k].output_nr]
-                if wg is not None and calls[k][1].batch_dim:
-                    wg = wg.movedim(calls[k][1].batch_dim, 0)
+                if call in parts:
+                    row_errors[k] = _streamed_rows_error(engine, use, call, parts[call], wg, w)
+                    continue
+                if wg is not None and call.batch_dim:
+                    wg = wg.movedim(call.batch_dim, 0)
                 row_errors[k] = _rows_error(grads[k], wg, w, b)
 
         return hook
 
     # completeness: per parameter, (max |mine - auto|, max |auto|, max |mine|)
-    names = [n for n in engine.parameter_names if any(u in records for u, _ in engine._groups[n])]
+    names = [
+        n
+        for n in engine.parameter_names
+        if any(engine._recorded(u, records) for u, _ in engine._groups[n])
+    ]
     params = {id(engine.parameter(n)): n for n in names}
     seen: dict[str, tuple[float, float, float]] = {}
     sums: dict = {}
 
     def param_hook(p):
         name = params[id(p)]
-        present = [(u, attr) for u, attr in engine._groups[name] if u in records]
+        present = [(u, attr) for u, attr in engine._groups[name] if engine._recorded(u, records)]
         mine = engine._weighted_sum_of(name, present, records, w_records, sums)
         seen[name] = _gaps(mine, p.grad)
         p.grad = None  # autograd's gradient is not kept; the engine's is restored below
@@ -137,9 +162,14 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
         for n, g in saved.items():
             engine.parameter(n).grad = g
 
-    for (use, call), g, err in zip(calls, grads, row_errors, strict=True):
-        g_dtype = torch.float32 if g is None else tolerance_dtype(g.dtype, g.device, engine.model)
-        if err > ROW_TOLERANCE.get(g_dtype, 1e-5):
+    for (use, call), g_dtype, g_device, err in zip(
+        calls, g_dtypes, g_devices, row_errors, strict=True
+    ):
+        # float32 under TF32 on a GPU is checked at float16's tolerance (precision.py)
+        tol_dtype = (
+            torch.float32 if g_dtype is None else tolerance_dtype(g_dtype, g_device, engine.model)
+        )
+        if err > ROW_TOLERANCE.get(tol_dtype, 1e-5):
             raise UnsupportedModelError(
                 f"module {use.name} ({type(use.module).__name__}): the rows of its "
                 f"{_describe(call, b)} are not one per example: re-weighting each example's "
@@ -157,7 +187,9 @@ def run(engine: ClippingEngine, losses: Tensor, active, live, edges, grads, reco
     # floored at sqrt(tol) times the largest gradient of the model.
     for name in names:  # parameters autograd gave no gradient: compared with zero
         if name not in seen:
-            present = [(u, attr) for u, attr in engine._groups[name] if u in records]
+            present = [
+                (u, attr) for u, attr in engine._groups[name] if engine._recorded(u, records)
+            ]
             mine = engine._weighted_sum_of(name, present, records, w_records, sums)
             seen[name] = _gaps(mine, None)
     floor = math.sqrt(tol) * max((auto for _, auto, _ in seen.values()), default=0.0)
@@ -211,14 +243,26 @@ def _rows_error(g: Tensor | None, wg: Tensor | None, w: Tensor, b: int) -> float
     return diff / scale
 
 
+def _streamed_rows_error(engine, use, call, part, wg: Tensor | None, w: Tensor) -> float:
+    """The rows test for a streamed call, whose g was not kept: on what the engine reads
+    from row i, example i's gradient. Formed from the re-weighted g it must be w_i times
+    the one formed from g; a row carrying another example's loss changes it unless that
+    contribution vanishes in example i's gradient, the quantity clipped (part: the
+    call's per-example gradients, g's dtype and device, or None where g was None)."""
+    b = w.shape[0]
+    if part is None or wg is None:
+        return 0.0 if part is None and wg is None else math.inf
+    weighted = engine._call_per_example(use, call, wg, b)
+    call.a = None  # its last reader: the input goes as this backward frees the graph
+    return max((_rows_error(v, weighted[k], w, b) for k, v in part[0].items()), default=0.0)
+
+
 def _describe(call, b: int) -> str:
     if call.expanded_to is not None:
         return f"output (a shared table expanded to {tuple(call.out_shape)})"
-    return f"input {tuple(call.a.shape)} / output {tuple(call.out_shape)} ({b} examples)"
+    return f"input {call.a_shape} / output {tuple(call.out_shape)} ({b} examples)"
 
 
-def _record_dtype(records) -> torch.dtype:
-    for _, g in records.values():
-        if g.dtype == torch.float64:
-            return torch.float64
-    return torch.float32
+def _record_dtype(tensors) -> torch.dtype:
+    """float64 if any of the records' tensors is, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

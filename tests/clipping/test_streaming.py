@@ -1,0 +1,278 @@
+"""Per-example gradients formed during the backward (streamed modules) against the oracle.
+
+Where the engine instantiates a module's per-example gradients and they are smaller
+than its record (LoRA's lora_A / lora_B with r << T, norm layers), it forms them in a
+pre-hook on the module's output node as the output gradient g arrives and keeps
+neither g nor, outside a checked chunk, the input a (docs/engine.md, "Per-example
+gradients formed during the backward"). The first chunk of a layout pattern runs the
+self-check, which looks at streamed modules on their per-example gradients; later
+chunks take the streamed path alone. Both are tested here against the batch-size-1
+oracle, and the memory claim itself: no output gradient of a streamed module is
+alive once the backward has moved past it.
+
+T = 16 makes 2 T^2 >= r d for every LoRA matrix of the tiny GPT-2 and Llama (c_fc:
+4 x 128), so every one is instantiated, hence streamed.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from dptrain.clipping import ClippingEngine, UnsupportedModelError
+from tests.clipping import hf_zoo
+from tests.clipping.oracle_check import assert_engine_matches_oracle
+from tests.clipping.sensitivity import PRIVATE, sensitivity
+from tests.clipping.test_hf_families import MODES, B
+from tests.clipping.test_peft import CLIPPINGS, _lora, _tolerance
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to True:UserWarning"),
+    # peft 0.21 calls transformers' deprecated is_gradient_checkpointing
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated"),
+]
+
+T_STREAM = 16
+LORA = re.compile(r"\.lora_[AB]\.default$")
+
+
+def _losses(case, seed: int = 0):
+    return lambda rows: hf_zoo.per_example_losses(case, B, T_STREAM, seed, rows)
+
+
+def _case(family: str) -> hf_zoo.ZooCase:
+    """LoRA on GPT-2 or Llama; "llama-full": the whole tiny Llama trained (its RMSNorms
+    stream beside ghost-normed projections, an embedding and a tied head)."""
+    if family == "llama-full":
+        return hf_zoo.llama()
+    case = _lora(family.removesuffix("-checkpointed"))
+    if family == "llama-checkpointed":
+        case.model.activation_checkpointing_enable({"use_reentrant": False})
+        case.model.enable_input_require_grads()
+    return case
+
+
+def _expected_streamed(family: str, engine: ClippingEngine) -> set[str]:
+    names = {u.name for u in engine._uses.values()}
+    if family == "llama-full":
+        # the RMSNorms, and k/v (32 -> 16: 2 T^2 = d_in d_out, instantiated); q, o and the
+        # MLP are ghost-normed and the embedding always is: their g is recorded as before
+        return {n for n in names if n.endswith(("norm", "k_proj", "v_proj"))}
+    return {n for n in names if LORA.search(n)}
+
+
+def _check(case, family: str, engine: ClippingEngine, clipping: str = "flat") -> None:
+    """``engine`` (as it is: checked chunks seen or not) against the oracle at T_STREAM."""
+    tol = _tolerance("llama" if family.startswith("llama") else "gpt2", engine.mode)
+    assert_engine_matches_oracle(
+        case.model,
+        _losses(case),
+        B,
+        mode=engine.mode,
+        clipping=clipping,
+        engine=engine,
+        tol=tol,
+        scale_floor=1e-4 if tol else None,
+    )
+
+
+@pytest.mark.parametrize(("clipping", "mode"), CLIPPINGS)
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama-checkpointed", "llama-full"])
+def test_streamed_chunk_after_the_self_check_matches_the_oracle(family, mode, clipping):
+    case = _case(family)
+    engine = ClippingEngine(case.model, 1.0, mode=mode, clipping=clipping)
+    expected = _expected_streamed(family, engine)
+    assert expected
+    # the first chunk: a new layout pattern, so the self-check runs (on streamed modules too)
+    engine.backward(_losses(case, seed=1)(slice(None)))
+    assert engine.self_checks == 1
+    assert set(engine.streamed) == expected
+    case.model.zero_grad(set_to_none=True)
+    # the second chunk, same shapes: no check, the streamed path alone
+    _check(case, family, engine, clipping)
+    assert engine.self_checks == 1
+    assert set(engine.streamed) == expected
+    engine.detach()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_checked_chunk_with_streamed_modules_matches_the_oracle(family, mode):
+    """The first chunk: streamed, and its self-check reads per-example gradients."""
+    case = _case(family)
+    engine = ClippingEngine(case.model, 1.0, mode=mode)
+    _check(case, family, engine)
+    assert engine.self_checks == 1
+    assert set(engine.streamed) == _expected_streamed(family, engine)
+    engine.detach()
+
+
+def _module(model: nn.Module, pattern: str) -> nn.Module:
+    names = [n for n, _ in model.named_modules() if re.search(pattern, n)]
+    return model.get_submodule(names[0])
+
+
+@pytest.mark.parametrize("norm_method", ["auto", "ghost"])
+@pytest.mark.parametrize("checked", [True, False], ids=["checked-chunk", "later-chunk"])
+@pytest.mark.parametrize("mode", MODES)
+def test_streamed_output_gradient_is_not_held(mode, checked, norm_method):
+    """The last layer's down_proj.lora_B gets its output gradient g (B, T, d) early in the
+    backward; by the time the first layer's q_proj.lora_B gets its own (among the last),
+    nothing may hold that g any more (a weak reference to it is dead), and outside a
+    checked chunk the engine has let the recorded input go too. norm_method="ghost"
+    makes the LoRA matrices ghost-normed, hence recorded and held: there the weak
+    reference stays alive, which shows the test would see a held g."""
+    case = _lora("llama")
+    model = case.model
+    engine = ClippingEngine(model, 1.0, mode=mode, norm_method=norm_method)
+    if not checked:
+        engine.backward(_losses(case, seed=1)(slice(None)))
+        model.zero_grad(set_to_none=True)
+    late = _module(model, r"layers\.1\.mlp\.down_proj\.lora_B\.default$")
+    early = _module(model, r"layers\.0\.self_attn\.q_proj\.lora_B\.default$")
+    nodes = {}
+    handles = [
+        m.register_forward_hook(lambda m, _a, out: nodes.__setitem__(m, out.grad_fn))
+        for m in (late, early)
+    ]
+    losses = _losses(case)(slice(None))
+    for h in handles:
+        h.remove()
+    late_call = engine._uses[late].calls[0]
+    refs: list[weakref.ref] = []
+    seen: list[tuple[bool, bool]] = []
+
+    def at_late(grad_outputs):
+        refs.append(weakref.ref(grad_outputs[0]))
+
+    def at_early(grad_outputs):
+        if not seen:  # the engine's own backward (a checked chunk runs a second one)
+            gc.collect()
+            seen.append((refs[0]() is None, late_call.a is None))
+
+    nodes[late].register_prehook(at_late)
+    nodes[early].register_prehook(at_early)
+    engine.backward(losses)
+    streams = norm_method == "auto"
+    assert (engine._uses[late].name in engine.streamed) == streams
+    g_dropped, a_dropped = seen[0]
+    assert g_dropped == streams
+    assert a_dropped == (streams and not checked)
+    engine.detach()
+
+
+class TimeFirst(nn.Module):
+    """A LayerNorm and a linear head on time-first (T, B, d) inputs: with T = B the engine
+    reads time steps as examples, and every row holds every example's data."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):  # (T, B, d) -> (B,) losses
+        return self.head(self.ln(x)).pow(2).sum((0, 2))
+
+
+def test_streamed_module_whose_rows_mix_examples_is_refused():
+    """The self-check's rows test on a streamed module (on its per-example gradients, g is
+    not kept) refuses the time-first LayerNorm by name before any gradient is written."""
+    torch.manual_seed(0)
+    model = TimeFirst().double()
+    engine = ClippingEngine(model, 1.0)
+    losses = model(torch.randn(4, 4, 8, dtype=torch.float64))
+    with pytest.raises(
+        UnsupportedModelError,
+        match=re.escape("module ln (LayerNorm): the rows of its input (4, 4, 8) / output")
+        + ".*are not one per example",
+    ):
+        engine.backward(losses)
+    assert "ln" in engine.streamed
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+
+
+class TwoCalls(nn.Module):
+    """One linear layer and one LayerNorm, each called twice per forward (on the tokens
+    and on their reversal): streamed per call, summed per module."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.fc = nn.Linear(d, 2)
+        self.ln = nn.LayerNorm(2)
+
+    def forward(self, x):  # (B, T, d) -> (B,)
+        y = self.ln(self.fc(x)) * self.ln(self.fc(x.flip(1)))
+        return y.pow(2).sum((1, 2))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_module_called_twice_is_streamed_per_call_and_matches_the_oracle(mode):
+    torch.manual_seed(0)
+    model = TwoCalls().double()
+    x = torch.randn(3, 8, 4, dtype=torch.float64)
+    engine = ClippingEngine(model, 1.0, mode=mode)
+    engine.backward(model(torch.randn(3, 8, 4, dtype=torch.float64)))  # the checked chunk
+    assert set(engine.streamed) == {"fc", "ln"}
+    model.zero_grad(set_to_none=True)
+    assert_engine_matches_oracle(model, lambda rows: model(x[rows]), 3, mode=mode, engine=engine)
+    assert engine.self_checks == 1 and set(engine.streamed) == {"fc", "ln"}
+    engine.detach()
+    # and on a checked chunk (each call's per-example gradients are checked on their own)
+    assert_engine_matches_oracle(model, lambda rows: model(x[rows]), 3, mode=mode)
+
+
+#: privacy units (user-level DP): examples 0 and 2 are one unit, example 1 another
+UNITS = torch.tensor([5, 2, 5])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama-full"])
+def test_streamed_modules_with_privacy_units_match_the_oracle(family, mode):
+    """units=: a streamed module's per-example gradients, formed during the backward, are
+    summed over each unit's examples. With LoRA every clipped module streams, so per-example
+    factors there would raise nothing: only the oracle (summed per unit) tells them apart."""
+    case = _case(family)
+    engine = ClippingEngine(case.model, 1.0, mode=mode)
+    engine.backward(_losses(case, seed=1)(slice(None)), units=UNITS)  # the checked chunk
+    case.model.zero_grad(set_to_none=True)
+    tol = _tolerance("llama" if family.startswith("llama") else "gpt2", mode)
+    assert_engine_matches_oracle(
+        case.model,
+        _losses(case),
+        B,
+        mode=mode,
+        engine=engine,
+        units=UNITS,
+        tol=tol,
+        scale_floor=1e-4 if tol else None,
+    )
+    assert engine.self_checks == 1
+    assert set(engine.streamed) == _expected_streamed(family, engine)
+    engine.detach()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_unit_of_streamed_lora_moves_the_clipped_sum_by_at_most_c(mode):
+    """The unit of examples 0 and 2 scaled by lambda up to 1e6 (both clipped): per-example
+    clipping of the streamed LoRA gradients would move the sum by up to 2 C."""
+    case = _lora("llama")
+    kwargs, labels = case.make_batch(B, T_STREAM, 0)
+
+    def losses():
+        return case.losses(case.model(**kwargs), labels)
+
+    slack = 1e-6 if _tolerance("llama", mode) else 1e-9
+    for unit in (5, 2):
+        outcome, _ = sensitivity(
+            case.model, losses, unit, max_grad_norm=0.1, mode=mode, slack=slack, units=UNITS
+        )
+        assert outcome == PRIVATE

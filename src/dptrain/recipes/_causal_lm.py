@@ -105,3 +105,14 @@ def add_lora(model: nn.Module, *, r: int, alpha: float, targets: Sequence[str]) 
     with warnings.catch_warnings():  # transformers 5 deprecates what peft 0.21 asks
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
         return peft.get_peft_model(model, config)
+
+
+def stop_and_pad_ids(model: nn.Module, tokenizer: Any) -> tuple[list[int], int]:
+    """The ids generation stops at (the tokenizer's end-of-sequence and the model's
+    generation config's) and the id it pads finished rows with."""
+    stops = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stops.update(configured if isinstance(configured, list) else [configured])
+    stops.discard(None)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
+    return sorted(stops), pad

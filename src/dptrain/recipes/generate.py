@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from dptrain._checks import check_int, check_positive
 from dptrain.config import save_config
+from dptrain.recipes._causal_lm import stop_and_pad_ids
 
 __all__ = ["GenerateConfig", "generate_records", "load_generator", "run_generate"]
 
@@ -172,11 +173,7 @@ def generate_records(model: Any, tokenizer: Any, cfg: GenerateConfig) -> list[di
             "prompt='' is not allowed with this tokenizer: it puts no token before a text, "
             "so there is nothing to generate from; give a prompt"
         )
-    stops = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    stops.update(configured if isinstance(configured, list) else [configured])
-    stops.discard(None)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
+    stops, pad = stop_and_pad_ids(model, tokenizer)
     device = next(model.parameters()).device
     torch.manual_seed(cfg.seed)
     texts: dict[int, str] = {}
@@ -195,7 +192,7 @@ def generate_records(model: Any, tokenizer: Any, cfg: GenerateConfig) -> list[di
                 top_p=cfg.top_p,
                 top_k=cfg.top_k,
                 max_new_tokens=cfg.max_new_tokens,
-                eos_token_id=sorted(stops) or None,
+                eos_token_id=stops or None,
                 pad_token_id=pad,
             )
             for k, row in zip(chunk, out[:, x.shape[1] :].tolist(), strict=True):

@@ -98,7 +98,12 @@ from dptrain.data.poisson import DPDataLoader
 from dptrain.losses import per_example_lm_loss
 from dptrain.models.pretrained import SMOLLM2
 from dptrain.privacy_engine import make_private
-from dptrain.recipes._causal_lm import LLAMA_PROJECTIONS, add_lora, load_causal_lm
+from dptrain.recipes._causal_lm import (
+    LLAMA_PROJECTIONS,
+    add_lora,
+    load_causal_lm,
+    stop_and_pad_ids,
+)
 from dptrain.recipes._common import (
     DELTA_RULES,
     check_choice,
@@ -434,11 +439,7 @@ def greedy_generations(
     was_training = model.training
     model.eval()
     device = _device_of(model)
-    stops = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    stops.update(configured if isinstance(configured, list) else [configured])
-    stops.discard(None)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
+    stops, pad = stop_and_pad_ids(model, tokenizer)
     out = []
     try:
         for prompt in prompts:
@@ -448,7 +449,7 @@ def greedy_generations(
                 attention_mask=torch.ones_like(x),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
-                eos_token_id=sorted(stops) or None,
+                eos_token_id=stops or None,
                 pad_token_id=pad,
             )
             out.append(tokenizer.decode(gen[0, len(prompt) :], skip_special_tokens=True).strip())

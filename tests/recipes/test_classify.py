@@ -144,6 +144,7 @@ def _check_run_folder(out, cfg: ClassifyTrainConfig, results: dict) -> dict:
     saved = json.loads((out / "results.json").read_text())
     assert saved == results
     assert saved["method"] == cfg.method
+    assert "audit" not in saved  # audit=false (the default)
     assert 0.0 <= saved["accuracy"] <= 1.0 and 0.0 <= saved["dev_accuracy"] <= 1.0
     assert saved["n_train"] == N_TRAIN and saved["n_dev"] + saved["n_test"] == N_ROWS - N_TRAIN
     assert saved["steps"] == STEPS
@@ -203,6 +204,19 @@ def test_each_method_writes_the_run_folder(files, tmp_path, method):
     else:
         assert "encoder.encoder.embeddings.word_embeddings.weight" in state
         assert state["head.weight"].shape == (2, 16)
+
+
+@pytest.mark.parametrize("method", ["dpsgd", "dpsgd-head"])
+def test_audit_section_in_results(files, tmp_path, method):
+    cfg = _config(files, tmp_path / "run", method=method, audit=True, audit_canaries=2000)
+    results = train_classify(cfg)
+    audit = results["audit"]
+    # the head alone (dpsgd-head) has 2 x 16 + 2 coordinates: one canary each, no more
+    assert audit["canaries"] == (2000 if method == "dpsgd" else 34)
+    assert audit["steps_observed"] == results["steps"] == STEPS
+    assert set(audit["lower_bounds"]) == {"steinke2023"}  # Poisson steps: not Gaussian
+    assert not audit["flagged"] and audit["claimed_epsilon"] == results["epsilon"]
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["audit"] == audit
 
 
 def test_linear_objective_loads_the_encoder_of_a_masked_lm_folder(files):
@@ -434,6 +448,22 @@ BAD_CONFIGS = {
         r"^prompt='It was' is not allowed: expected a '\[MASK\]' in it$",
     ),
     "batch_size=0": ({"batch_size": 0}, r"^batch_size=0 is not allowed: expected an integer >= 1$"),
+    "audit of a non-private run": (
+        {"method": "nonprivate", "audit": True},
+        r"^audit=true is not allowed with a non-private run \(method='nonprivate'\)",
+    ),
+    "audit of dpfp": (
+        {"method": "dpfp", "audit": True},
+        r"^audit=true is not allowed with method='dpfp': DP-FP noises the representations",
+    ),
+    "audit of dpfp-finetune": (
+        {"method": "dpfp-finetune", "audit": True},
+        r"^audit=true is not allowed with method='dpfp-finetune'",
+    ),
+    "audit_canaries=1": (
+        {"method": "dpsgd", "audit": True, "audit_canaries": 1},
+        r"^audit_canaries=1 is not allowed: expected an integer >= 2$",
+    ),
     "bad delta rule": ({"delta": "1/N"}, r"^delta='1/N' is not allowed: expected one of"),
 }
 

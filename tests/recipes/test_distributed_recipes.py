@@ -114,6 +114,7 @@ def test_one_process_classify_methods_refuse_several(tmp_path, monkeypatch, meth
     [
         ({"epsilon": None}, r"epsilon=None \(the non-private run\) is not allowed with WORLD"),
         ({"model": "most-popular"}, "model='most-popular' is not allowed with WORLD_SIZE=3"),
+        ({"audit": True}, "audit=true is not allowed with WORLD_SIZE=3: the white-box canaries"),
     ],
 )
 def test_one_process_seqrec_runs_refuse_several(tmp_path, monkeypatch, settings, message):
@@ -122,6 +123,16 @@ def test_one_process_seqrec_runs_refuse_several(tmp_path, monkeypatch, settings,
     with pytest.raises(ValueError, match=message):
         train_seqrec(cfg)
     assert not (tmp_path / "run").exists()
+    assert not dist.is_initialized()
+
+
+def test_classify_audit_refuses_several_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "run"
+    cfg = ClassifyTrainConfig(method="dpsgd-head", epsilon=3.0, audit=True, out=str(out))
+    with pytest.raises(ValueError, match="audit=true is not allowed with WORLD_SIZE=2"):
+        train_classify(cfg)
+    assert not out.exists()  # refused before anything is loaded or written
     assert not dist.is_initialized()
 
 
@@ -149,6 +160,8 @@ def test_nproc_checks_before_starting_processes(tmp_path, capsys, no_torchrun_en
     assert "--nproc=0 is not allowed: expected an integer >= 1" in capsys.readouterr().err
     assert main(["train", "seqrec", "--nproc", "2", "dropout=0"]) == 2  # bad config: no launch
     assert "dropout=0" in capsys.readouterr().err
+    assert main(["train", "seqrec", "--nproc", "2", "audit=true"]) == 2
+    assert "audit=true is not allowed with WORLD_SIZE=2" in capsys.readouterr().err
     for recipe in ("table2text", "mlm"):  # one-process recipes say so, by name
         assert main(["train", recipe, "--nproc", "2"]) == 2
         assert (

@@ -167,6 +167,7 @@ def test_packaged_config_and_train_overrides():
         (["repetitions=[]"], "repetitions=.. is not allowed"),
         (["epsilons=3,3"], "values repeat"),
         (["train=3"], "expected a mapping"),
+        (["train.audit=true"], "train.audit=true is not allowed: the exposure audit does not"),
     ],
 )
 def test_bad_config_is_refused(overrides, message):

@@ -443,3 +443,5 @@ def test_audit_section_in_results(files, tmp_path):
     assert not audit["flagged"] and audit["claimed_epsilon"] == results["epsilon"]
     with pytest.raises(ValueError, match="audit=true is not allowed with a non-private run"):
         dataclasses.replace(cfg, private=False)
+    with pytest.raises(ValueError, match="audit=true is not allowed with clipping='per_layer'"):
+        dataclasses.replace(cfg, clipping="per_layer")  # one clip factor per group, not per record

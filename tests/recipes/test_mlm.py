@@ -143,6 +143,7 @@ def test_private_run_ledger_equals_the_schedule(tmp_path):
     results = train_mlm(cfg)
     # the figures `dptrain train mlm` prints are in the results
     assert set(_TRAIN_RECIPES["mlm"][3]) <= set(results)
+    assert "audit" not in results  # audit=false (the default)
     out = tmp_path / "run"
     for name in ("config.yaml", "data.json", "ledger.json", "metrics.jsonl", "results.json"):
         assert (out / name).is_file(), name
@@ -180,6 +181,23 @@ def test_private_run_ledger_equals_the_schedule(tmp_path):
         [cfg.lr * lr_factor(t, 6, 4) for t in range(6)]
     )
     assert load_config(MLMTrainConfig, out / "config.yaml") == cfg
+
+
+def test_audit_section_in_results(tmp_path):
+    # the growing batch: the canaries are sampled at each stage's rate
+    cfg = _cfg(tmp_path, epsilon=1.0, audit=True, audit_canaries=2000, save_checkpoints=False)
+    results = train_mlm(cfg)
+    audit = results["audit"]
+    assert audit["canaries"] == 2000 and audit["steps_observed"] == results["steps"] == 6
+    assert set(audit["lower_bounds"]) == {"steinke2023"}  # Poisson steps: not Gaussian
+    assert not audit["flagged"] and audit["claimed_epsilon"] == results["epsilon"]
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["audit"] == audit
+    with pytest.raises(
+        ValueError, match=r"audit=true is not allowed with a non-private run \(epsilon=null\)"
+    ):
+        _cfg(tmp_path, epsilon=None, audit=True)
+    with pytest.raises(ValueError, match="audit_canaries=1 is not allowed"):
+        _cfg(tmp_path, audit=True, audit_canaries=1)
 
 
 def test_nonprivate_run_and_init_from_a_saved_model(tmp_path):

@@ -56,6 +56,7 @@ def test_private_run_writes_the_run_folder(tmp_path, model):
     for key in ("ndcg@10", "hit@10", "mrr", "epsilon", "delta", "model"):
         assert key in saved
     assert saved["model"] == model and results["model"] == model
+    assert "audit" not in saved  # audit=false (the default)
     assert 0.0 <= saved["ndcg@10"] <= saved["hit@10"] <= 1.0
     assert saved["delta"] == pytest.approx(1 / 40**1.1)
     # The ledger on disk is the whole run: its epsilon is the one reported, within the target.
@@ -71,6 +72,30 @@ def test_private_run_writes_the_run_folder(tmp_path, model):
     assert lines[-1]["epsilon"] == pytest.approx(saved["epsilon"])
     # the resolved config reloads to the same settings
     assert load_config(SeqRecTrainConfig, out / "config.yaml") == cfg
+
+
+def test_audit_section_in_results(tmp_path):
+    cfg = _cfg(tmp_path, model="dpformer", audit=True, audit_canaries=1000)
+    results = train_seqrec(cfg)
+    audit = results["audit"]
+    assert audit["canaries"] == 1000 and audit["steps_observed"] == results["steps"]
+    # Poisson steps (and the histogram) in the ledger: Steinke et al.'s bound only
+    assert set(audit["lower_bounds"]) == {"steinke2023"}
+    assert not audit["flagged"] and audit["claimed_epsilon"] == results["epsilon"]
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["audit"] == audit
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"epsilon": None}, r"audit=true is not allowed with a non-private run \(epsilon=null\)"),
+        ({"model": "most-popular"}, "audit=true is not allowed with model='most-popular'"),
+        ({"audit_canaries": 1}, "audit_canaries=1 is not allowed"),
+    ],
+)
+def test_audit_bad_config(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(tmp_path, audit=True, **kwargs)
 
 
 def test_nonprivate_and_most_popular(tmp_path):

@@ -351,6 +351,7 @@ def test_private_run_writes_the_run_folder(tmp_path):
     ):
         assert (out / name).is_file(), name
     assert json.loads((out / "results.json").read_text()) == res
+    assert "audit" not in res  # audit=false (the default)
     n = res["n_train_pairs"]
     assert n == 36  # 12 of 16 tables (valid_fraction 0.25) x 3 references
     assert res["steps"] == math.ceil(2 / (8 / n))
@@ -455,6 +456,47 @@ def test_pretrained_llama_full_and_lora(tmp_path, lora_r):
     else:
         assert res["n_trainable_parameters"] == res["n_parameters"]
         assert (out / "model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("path", ["scratch", "pretrained", "pretrained-lora"])
+def test_audit_section_in_results(tmp_path, path):
+    """Every private path of fit_table2text: a GPT-2 from the config, a pretrained causal
+    LM trained whole (its tied embedding by phantom clipping) and its LoRA adapters."""
+    from tests.lm_helpers import save_tiny_llama
+
+    data = write_e2e(tmp_path / "e2e", synthetic_pairs(16, 3), synthetic_pairs(5, 2, 3))
+    model = {}
+    if path != "scratch":
+        model = {"pretrained": str(save_tiny_llama(tmp_path / "llama"))}
+        model["lora_r"] = 4 if path == "pretrained-lora" else 0
+    cfg = tiny_config(
+        tmp_path,
+        data,
+        epsilon=8.0,
+        accountant="rdp",  # fast calibration, as above
+        audit=True,
+        audit_canaries=1500,
+        decode_test=False,
+        max_valid_tables=0,
+        save_checkpoint=False,
+        **model,
+    )
+    res = train_table2text(cfg)
+    audit = res["audit"]
+    assert audit["canaries"] == 1500 < res["n_trainable_parameters"]
+    assert audit["steps_observed"] == res["steps"]
+    assert set(audit["lower_bounds"]) == {"steinke2023"}  # Poisson steps: not Gaussian
+    assert not audit["flagged"] and audit["claimed_epsilon"] == res["epsilon"]
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["audit"] == audit
+
+
+def test_audit_bad_config():
+    with pytest.raises(
+        ValueError, match=r"audit=true is not allowed with a non-private run \(epsilon=null\)"
+    ):
+        Table2TextConfig(epsilon=None, audit=True)
+    with pytest.raises(ValueError, match="audit_canaries=0 is not allowed"):
+        Table2TextConfig(audit=True, audit_canaries=0)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Small pieces every recipe shares: delta rules, choice checks, epsilon for the progress bar,
-weight-decay groups."""
+weight-decay groups, and the white-box audit of a run (``audit=true``)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,22 @@ from typing import Any
 
 from torch import nn
 
-from dptrain._checks import check_positive
+from dptrain._checks import check_int, check_positive
 from dptrain.accounting import PrivacyLedger, make_accountant
+from dptrain.audit.gradient_canaries import GradientCanaries
+from dptrain.recipes._launch import refuse_several_processes
 
 __all__ = [
     "DELTA_RULES",
+    "attach_audit_canaries",
+    "check_audit",
+    "check_audit_world_size",
     "check_choice",
     "check_epsilons",
     "cycle",
     "decay_param_groups",
     "epsilon_so_far",
+    "report_audit",
     "resolve_delta",
 ]
 
@@ -86,3 +92,74 @@ def decay_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, 
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+# -- audit=true: the white-box one-run audit of a recipe's run -------------------------------
+
+
+def check_audit(
+    audit: bool, canaries: int, *, private: bool, non_private: str, clipping: str = "flat"
+) -> None:
+    """Check a recipe's ``audit`` / ``audit_canaries`` settings (``ValueError`` naming them).
+
+    ``private``: whether the run adds noise; ``non_private`` names the settings that make
+    it a non-private run (in the error); ``clipping``: the run's clipping function.
+    """
+    check_int("audit_canaries", canaries, 2)
+    if not audit:
+        return
+    if not private:
+        raise ValueError(
+            f"audit=true is not allowed with a non-private run ({non_private}): the audit "
+            "measures the noise and clipping such a run does not add"
+        )
+    if clipping == "per_layer":
+        raise ValueError(
+            "audit=true is not allowed with clipping='per_layer': the white-box canaries need "
+            "one clip factor per gradient (flat or automatic clipping)"
+        )
+
+
+def check_audit_world_size(audit: bool, world_size: int | None = None) -> None:
+    """Refuse ``audit=true`` on several processes (torchrun), before anything runs.
+
+    The multi-process step reduces and noises the clipped sums in its own order, without
+    the optimizer's audit hook, so :meth:`GradientCanaries.attach` refuses it.
+    ``world_size``: default ``WORLD_SIZE``.
+    """
+    if audit:
+        refuse_several_processes(
+            "audit=true",
+            "the white-box canaries audit a one-process run (the multi-process step has no "
+            "audit hook); audit the same configuration without torchrun / --nproc",
+            world_size,
+        )
+
+
+def attach_audit_canaries(
+    audit: bool, params: Iterable[nn.Parameter], optimizer: Any, canaries: int, seed: int | None
+) -> GradientCanaries | None:
+    """With ``audit``, ``min(canaries, #trainable coordinates)`` Dirac canaries on the
+    trainable ``params``, attached to the private ``optimizer`` (a DPOptimizer); else None.
+
+    Seeded by ``seed + 1`` (0 + 1 for a run seeded from the OS): the canaries'
+    coordinates, inclusions and sampling are fixed by the run's seed and differ from
+    its own streams.
+    """
+    if not audit:
+        return None
+    trainable = [p for p in params if p.requires_grad]
+    m = min(canaries, sum(p.numel() for p in trainable))
+    return GradientCanaries(trainable, m, seed=(seed or 0) + 1).attach(optimizer)
+
+
+def report_audit(
+    results: dict[str, Any],
+    canaries: GradientCanaries | None,
+    delta: float | None,
+    ledger: PrivacyLedger | None,
+) -> None:
+    """Put the audit section (:meth:`GradientCanaries.report`) into ``results["audit"]``,
+    against the run's final ``results["epsilon"]``; nothing without canaries."""
+    if canaries is not None:
+        results["audit"] = canaries.report(results["epsilon"], delta, ledger)

@@ -29,8 +29,11 @@ Steps:
 3. **evaluate**: dev accuracy after every epoch; the best epoch by dev
    accuracy is kept and the test split is scored once, at the end.
 4. **save**: the run folder holds ``config.yaml`` (resolved), ``data.json``,
-   ``ledger.json``, ``metrics.jsonl``, ``results.json``, ``plots/curves.png``
-   and, with ``save_checkpoint``, ``checkpoints/best.pt``.
+   ``ledger.json``, ``metrics.jsonl``, ``results.json`` (with ``audit=true``
+   its ``audit`` section: the white-box one-run audit of this run,
+   :class:`~dptrain.audit.GradientCanaries`; ``dpsgd`` and ``dpsgd-head``
+   only), ``plots/curves.png`` and, with ``save_checkpoint``,
+   ``checkpoints/best.pt``.
 
 Several processes: ``dpsgd`` and ``dpsgd-head`` run under torchrun
 (``WORLD_SIZE`` > 1; ``dptrain train classify --nproc N`` starts it) through
@@ -38,7 +41,7 @@ Several processes: ``dpsgd`` and ``dpsgd-head`` run under torchrun
 batches, one noise draw per step and the same ledger as one process; every
 rank evaluates, only rank 0 writes the run folder (and the feature cache) and
 shows the progress bar. ``nonprivate``, ``dpfp`` and ``dpfp-finetune`` run in
-one process only and refuse ``WORLD_SIZE`` > 1.
+one process only and refuse ``WORLD_SIZE`` > 1, as does ``audit=true``.
 
 Objectives: ``linear`` (a fresh linear head on the pooled representation)
 or ``infilling`` (Li et al. section 3.2: the text followed by ``prompt``, and
@@ -80,7 +83,16 @@ from dptrain.distributed import make_private_distributed
 from dptrain.dpfp import DPForwardLayer, DPFPTrainer
 from dptrain.models.text_classifier import LabelWordHead, PooledEncoder, TextClassifier
 from dptrain.privacy_engine import make_private
-from dptrain.recipes._common import DELTA_RULES, check_choice, cycle, resolve_delta
+from dptrain.recipes._common import (
+    DELTA_RULES,
+    attach_audit_canaries,
+    check_audit,
+    check_audit_world_size,
+    check_choice,
+    cycle,
+    report_audit,
+    resolve_delta,
+)
 from dptrain.recipes._launch import Launch, launch, refuse_several_processes
 
 __all__ = [
@@ -185,6 +197,12 @@ class ClassifyTrainConfig:
     num_threads: int = 0
     """torch threads for this run; 0 leaves torch's default."""
     seed: int = 0
+    audit: bool = False
+    """Run the white-box one-run audit on this run (dptrain.audit.GradientCanaries;
+    ``dpsgd`` and ``dpsgd-head``): its lower bounds go to results.json's ``audit``
+    section; the canaries are in the model."""
+    audit_canaries: int = 100_000
+    """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/classify"
     feature_cache: str | None = None
     """Folder to keep frozen-encoder representations in, shared by runs of a grid."""
@@ -233,6 +251,15 @@ class ClassifyTrainConfig:
             )
         else:
             check_positive("epsilon", self.epsilon)
+        check_audit(
+            self.audit, self.audit_canaries, private=self.private, non_private="method='nonprivate'"
+        )
+        if self.audit and self.method in _DPFP:
+            raise ValueError(
+                f"audit=true is not allowed with method={self.method!r}: DP-FP noises the "
+                "representations, not the gradients the white-box canaries join in the DP "
+                "optimizer; audit method='dpsgd' or 'dpsgd-head'"
+            )
         if self.method in _FROZEN and self.lr is not None:
             raise ValueError(
                 f"lr={self.lr!r} is not allowed with method={self.method!r}: the encoder is "
@@ -620,8 +647,10 @@ def check_world_size(cfg: ClassifyTrainConfig, world_size: int | None = None) ->
     """Refuse (``ValueError``) a method that runs in one process when there are several.
 
     dpsgd and dpsgd-head train data-parallel; nonprivate, dpfp and dpfp-finetune
-    would run W copies. ``world_size``: default ``WORLD_SIZE``.
+    would run W copies, and the audit (``audit=true``) observes one process's optimizer.
+    ``world_size``: default ``WORLD_SIZE``.
     """
+    check_audit_world_size(cfg.audit, world_size)
     if cfg.method not in _MULTI_PROCESS:
         what = "DP-FP" if cfg.method in _DPFP else "the non-private run"
         refuse_several_processes(
@@ -665,7 +694,7 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
     ledger = PrivacyLedger(privacy_unit="text")
 
     t_train = time.perf_counter()
-    history, best, trainable, scope_detail = _train(
+    history, best, trainable, scope_detail, canaries = _train(
         cfg, plan, classifier, splits, folder, ledger, run
     )
     # training steps only: without the frozen encoder's pass and the dev evaluations
@@ -722,6 +751,7 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
             )
             + f"; 'epsilon' is the PLD epsilon of the same run: {results['epsilon']:.3g}"
         )
+    report_audit(results, canaries, plan.delta, ledger)
     if run.distributed:
         results["world_size"] = run.world_size
     if not main:
@@ -738,7 +768,8 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
 
 
 def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, ledger, run: Launch):
-    """The method's training loop; returns history, best state, trainable module, scope text."""
+    """The method's training loop; returns history, best state, trainable module, scope text
+    and the audit's canaries (None without ``audit=true``)."""
     frozen = cfg.method in _FROZEN
     head = classifier.head
     if frozen:
@@ -760,7 +791,7 @@ def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, l
         optimizer = torch.optim.AdamW(_param_groups(classifier, cfg), weight_decay=cfg.weight_decay)
     collate = _stack if frozen else splits["train"].collate
     scope = _SCOPES[cfg.method]
-    step_fn, describe = _make_step(
+    step_fn, describe, canaries = _make_step(
         cfg, plan, classifier, trainable, optimizer, train_set, collate, ledger, scope, run
     )
 
@@ -816,13 +847,14 @@ def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, l
     best.update(
         model=eval_model, test_data=test_data, feature_time_s=feature_time, eval_time_s=eval_time
     )
-    return history, best, trainable, describe()
+    return history, best, trainable, describe(), canaries
 
 
 def _make_step(
     cfg, plan, classifier, trainable, optimizer, train_set, collate, ledger, scope, run=None
 ):
-    """A function running one training step -> (mean loss, records), and one describing scope.
+    """A function running one training step -> (mean loss, records), one describing scope,
+    and the audit's canaries attached to the DP optimizer (None without ``audit=true``).
 
     ``run``: with several processes (dpsgd / dpsgd-head only) the step is this rank's share
     of the logical batch, and the loss and record count are this rank's.
@@ -865,7 +897,7 @@ def _make_step(
             n = sum(result.micro_batch_sizes)
             return (result.loss if result.updated else 0.0), n
 
-        return dpfp_step, lambda: trainer.privacy_scope(plan.delta, "pld")
+        return dpfp_step, lambda: trainer.privacy_scope(plan.delta, "pld"), None
 
     if cfg.method == "nonprivate":
         loader = torch.utils.data.DataLoader(
@@ -885,7 +917,7 @@ def _make_step(
             optimizer.step()
             return float(loss.detach()), len(targets)
 
-        return plain_step, lambda: scope
+        return plain_step, lambda: scope, None
 
     make = make_private_distributed if distributed else make_private
     private = make(
@@ -905,6 +937,9 @@ def _make_step(
         ledger=ledger,
     )
     batches = iter(private.data_loader)
+    canaries = attach_audit_canaries(
+        cfg.audit, trainable.parameters(), private.optimizer, cfg.audit_canaries, cfg.seed
+    )
     if distributed and run.rank > 0:  # own dropout stream per rank (rank 0 keeps one process's)
         torch.manual_seed(cfg.seed + 7919 * run.rank)
 
@@ -924,7 +959,7 @@ def _make_step(
         f"noise_multiplier={plan.noise_multiplier:.4g}, q={plan.sample_rate:.4g}, "
         f"{plan.steps} steps; {scope}"
     )
-    return dpsgd_step, lambda: detail
+    return dpsgd_step, lambda: detail, canaries
 
 
 def _plot(history: list[dict[str, Any]], cfg: ClassifyTrainConfig, folder: Path) -> None:

@@ -196,7 +196,8 @@ class ExposureAuditConfig:
 
 
 def _check_train(values: dict[str, Any]) -> dict[str, Any]:
-    """``train`` checked against Table2TextConfig's fields and types; audit keys refused."""
+    """``train`` checked against Table2TextConfig's fields and types; audit keys (and
+    ``audit=true``, the white-box audit of one run) refused."""
     from dptrain.recipes.table2text import Table2TextConfig
 
     clash = sorted(set(values) & set(AUDIT_CONTROLLED_KEYS))
@@ -204,9 +205,15 @@ def _check_train(values: dict[str, Any]) -> dict[str, Any]:
         how = "; ".join(f"{k}: {AUDIT_CONTROLLED_KEYS[k]}" for k in clash)
         raise ConfigError(f"train key(s) {clash} are set by the audit ({how})")
     try:
-        return convert_values(Table2TextConfig, values)
+        values = convert_values(Table2TextConfig, values)
     except ConfigError as err:
         raise ConfigError(f"train: {err}") from None
+    if values.get("audit"):  # fit_table2text would add canaries that no summary reports
+        raise ConfigError(
+            "train.audit=true is not allowed: the exposure audit does not report the white-box "
+            "one-run audit (run dptrain train table2text audit=true for it)"
+        )
+    return values
 
 
 def load_exposure_config(

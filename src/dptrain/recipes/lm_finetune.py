@@ -27,9 +27,11 @@
    ``eval_every`` steps and at the end; greedy generations for the first
    ``num_generations`` validation prompts before and after training.
 4. **save**: the run folder holds ``config.yaml``, ``data.json``, ``ledger.json``,
-   ``metrics.jsonl`` (one line per evaluation), ``results.json``,
-   ``privacy.json``, ``generations.jsonl``, ``samples.md``,
-   ``plots/perplexity.png`` (validation perplexity and epsilon vs step) and
+   ``metrics.jsonl`` (one line per evaluation), ``results.json`` (with
+   ``audit=true`` its ``audit`` section: the white-box one-run audit of this run,
+   :class:`~dptrain.audit.GradientCanaries`), ``privacy.json``,
+   ``generations.jsonl``, ``samples.md``, ``plots/perplexity.png`` (validation
+   perplexity and epsilon vs step) and
    ``model/``: ``save_pretrained`` of the model (or of the LoRA adapter) and of
    the tokenizer, with ``privacy.json`` and a ``README.md`` that says in words
    what the guarantee covers.
@@ -79,7 +81,6 @@ from dptrain.accounting import (
     make_accountant,
     steps_from_epochs,
 )
-from dptrain.audit.gradient_canaries import GradientCanaries
 from dptrain.clipping.engine import CLIPPING_MODES
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS
 from dptrain.config import save_config
@@ -106,9 +107,12 @@ from dptrain.recipes._causal_lm import (
 )
 from dptrain.recipes._common import (
     DELTA_RULES,
+    attach_audit_canaries,
+    check_audit,
     check_choice,
     decay_param_groups,
     epsilon_so_far,
+    report_audit,
     resolve_delta,
 )
 from dptrain.recipes._schedules import (
@@ -233,7 +237,6 @@ class LMFinetuneConfig:
         check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
         check_choice("clipping", self.clipping, CLIPPING_FUNCTIONS)
         check_choice("mode", self.mode, CLIPPING_MODES)
-        check_int("audit_canaries", self.audit_canaries, 2)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_int("max_length", self.max_length, 2)
@@ -293,11 +296,13 @@ class LMFinetuneConfig:
             check_choice("delta", self.delta, DELTA_RULES)
         else:
             check_in_interval("delta", self.delta, 0.0, 1.0)
-        if self.audit and not self.is_private:
-            raise ValueError(
-                "audit=true is not allowed with a non-private run (private=false or epsilon="
-                "inf): the audit measures the noise and clipping such a run does not add"
-            )
+        check_audit(
+            self.audit,
+            self.audit_canaries,
+            private=self.is_private,
+            non_private="private=false or epsilon=inf",
+            clipping=self.clipping,
+        )
         if sigma is None:
             return
         check_positive("noise_multiplier", sigma)
@@ -612,11 +617,9 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
     model, tokenizer, valid = s.model, s.tokenizer, s.valid
     ledger = PrivacyLedger(privacy_unit=cfg.privacy_unit)
     batches, opt, backward, engine = _batches_and_optimizer(cfg, s, ledger)
-    canaries = None
-    if cfg.audit and private:
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        m = min(cfg.audit_canaries, sum(p.numel() for p in trainable))
-        canaries = GradientCanaries(trainable, m, seed=(cfg.seed or 0) + 1).attach(opt)
+    canaries = attach_audit_canaries(
+        cfg.audit and private, model.parameters(), opt, cfg.audit_canaries, cfg.seed
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_lambda(s.steps, cfg.lr_schedule, cfg.warmup_steps)
     )
@@ -777,8 +780,7 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         "wall_time_s": time.perf_counter() - t0,
         "guarantee": privacy["guarantee"],
     }
-    if canaries is not None:
-        results["audit"] = canaries.report(results["epsilon"], s.delta, ledger)
+    report_audit(results, canaries, s.delta, ledger)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     _plot(history, eps_points, cfg, private, out / "plots")
     if cfg.save_model:

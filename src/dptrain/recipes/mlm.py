@@ -26,8 +26,10 @@
    end; the best step by validation accuracy is kept; the test chunks are
    scored once, at the end, with it.
 4. **save**: the run folder holds ``config.yaml``, ``data.json``,
-   ``ledger.json``, ``metrics.jsonl`` (one line per step), ``results.json``,
-   ``tokenizer/``, ``checkpoints/best.pt`` (and ``last.pt``, and ``model/``, a
+   ``ledger.json``, ``metrics.jsonl`` (one line per step), ``results.json``
+   (with ``audit=true`` its ``audit`` section: the white-box one-run audit of
+   this run, :class:`~dptrain.audit.GradientCanaries`), ``tokenizer/``,
+   ``checkpoints/best.pt`` (and ``last.pt``, and ``model/``, a
    ``save_pretrained`` folder that ``init_from`` reads, with
    ``save_checkpoints``), and PNG plots of accuracy and gradient-SNR over steps.
 
@@ -88,9 +90,12 @@ from dptrain.losses import per_example_cross_entropy
 from dptrain.privacy_engine import make_private
 from dptrain.recipes._common import (
     DELTA_RULES,
+    attach_audit_canaries,
+    check_audit,
     check_choice,
     decay_param_groups,
     epsilon_so_far,
+    report_audit,
     resolve_delta,
 )
 from dptrain.recipes._schedules import (
@@ -188,6 +193,11 @@ class MLMTrainConfig:
     num_threads: int = 0
     """torch threads for this run; 0 leaves torch's default."""
     seed: int = 0
+    audit: bool = False
+    """Run the white-box one-run audit on this run (dptrain.audit.GradientCanaries): its
+    lower bounds go to results.json's ``audit`` section; the canaries are in the model."""
+    audit_canaries: int = 100_000
+    """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/mlm"
     save_checkpoints: bool = True
     progress: bool = True
@@ -220,6 +230,9 @@ class MLMTrainConfig:
             check_choice("delta", self.delta, DELTA_RULES)
         else:
             check_in_interval("delta", self.delta, 0.0, 1.0)
+        check_audit(
+            self.audit, self.audit_canaries, private=self.private, non_private="epsilon=null"
+        )
         check_in_interval("valid_fraction", self.valid_fraction, 0.0, 1.0, low_open=False)
         check_in_interval("test_fraction", self.test_fraction, 0.0, 1.0, low_open=False)
         check_in_interval("mask_prob", self.mask_prob, 0.0, 1.0)
@@ -410,7 +423,7 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
     collate = data.collator(cfg.mask_prob, mask_gen)
     dataset = torch.utils.data.TensorDataset(data.train_ids)
     ledger = PrivacyLedger(privacy_unit=data.privacy_unit)
-    private = None
+    private, canaries = None, None
     if cfg.private:
         private = make_private(
             model,
@@ -432,6 +445,9 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
         )
         batches, opt = iter(private.data_loader), private.optimizer
         sigma = private.noise_multiplier
+        canaries = attach_audit_canaries(
+            cfg.audit, model.parameters(), opt, cfg.audit_canaries, cfg.seed
+        )
     else:
         loader = DPDataLoader(
             dataset,
@@ -611,6 +627,7 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
             else "non-private run: no guarantee; gradient_snr is null (no noise is added)"
         ),
     }
+    report_audit(results, canaries, delta, ledger)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     # rewrite the last line with the exact final epsilon
     metrics_path.write_text("".join(json.dumps(h) + "\n" for h in history))

@@ -17,15 +17,18 @@
    with that model.
 4. **save**: the run folder holds ``config.yaml`` (resolved), ``data.json``,
    ``ledger.json``, ``metrics.jsonl`` (one line per evaluation),
-   ``results.json``, ``checkpoints/{best,last}.pt`` and PNG plots of
-   validation NDCG over epochs and of epsilon over steps.
+   ``results.json`` (with ``audit=true`` its ``audit`` section: the white-box
+   one-run audit of this run, :class:`~dptrain.audit.GradientCanaries`),
+   ``checkpoints/{best,last}.pt`` and PNG plots of validation NDCG over epochs
+   and of epsilon over steps.
 
 Under torchrun (``WORLD_SIZE`` > 1; ``dptrain train seqrec --nproc N`` starts
 it) the private training runs data-parallel on the N processes through
 :func:`~dptrain.distributed.make_private_distributed` (the same logical
 batches, one noise draw per step, the same ledger as one process); every
 rank evaluates, only rank 0 writes the run folder and shows the progress
-bar. The non-private run and ``most-popular`` run in one process only.
+bar. The non-private run, ``most-popular`` and ``audit=true`` run in one
+process only.
 
 The guarantee is per record of the training data: on MovieLens one record is
 one user's whole sequence (user-level DP); on the news corpus one record is a
@@ -62,7 +65,16 @@ from dptrain.losses import per_example_cross_entropy
 from dptrain.mechanisms import dp_item_counts, item_presence_counts
 from dptrain.metrics.ranking import ranking_metrics, target_ranks
 from dptrain.privacy_engine import make_private
-from dptrain.recipes._common import DELTA_RULES, check_choice, cycle, resolve_delta
+from dptrain.recipes._common import (
+    DELTA_RULES,
+    attach_audit_canaries,
+    check_audit,
+    check_audit_world_size,
+    check_choice,
+    cycle,
+    report_audit,
+    resolve_delta,
+)
 from dptrain.recipes._launch import Launch, launch, refuse_several_processes
 
 __all__ = [
@@ -129,6 +141,11 @@ class SeqRecTrainConfig:
     num_threads: int = 0
     """torch threads for this run; 0 leaves torch's default (small models run best on 1)."""
     seed: int = 0
+    audit: bool = False
+    """Run the white-box one-run audit on this run (dptrain.audit.GradientCanaries): its
+    lower bounds go to results.json's ``audit`` section; the canaries are in the model."""
+    audit_canaries: int = 100_000
+    """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/seqrec"
     save_checkpoints: bool = True
     progress: bool = True
@@ -163,6 +180,14 @@ class SeqRecTrainConfig:
             raise ValueError(
                 f"d_model={self.d_model} is not allowed with n_head={self.n_head}: "
                 "expected a multiple of n_head"
+            )
+        check_audit(
+            self.audit, self.audit_canaries, private=self.private, non_private="epsilon=null"
+        )
+        if self.audit and self.model == "most-popular":
+            raise ValueError(
+                "audit=true is not allowed with model='most-popular': it trains nothing (one "
+                "DP histogram), and the white-box canaries audit the DP optimizer's steps"
             )
 
     @property
@@ -348,8 +373,10 @@ def check_world_size(cfg: SeqRecTrainConfig, world_size: int | None = None) -> N
     """Refuse (``ValueError``) a run that cannot use several processes when there are several.
 
     Only the private neural models train data-parallel; the non-private run and
-    most-popular would run W copies. ``world_size``: default ``WORLD_SIZE``.
+    most-popular would run W copies, and the audit (``audit=true``) observes one
+    process's optimizer. ``world_size``: default ``WORLD_SIZE``.
     """
+    check_audit_world_size(cfg.audit, world_size)
     if not cfg.private:
         refuse_several_processes(
             "epsilon=None (the non-private run)",
@@ -406,6 +433,7 @@ def _train_seqrec(cfg: SeqRecTrainConfig, run: Launch, t0: float) -> dict[str, A
         freqs, freq_note = _item_frequencies(cfg, data, plan, ledger, gen)
 
     history: list[dict[str, Any]] = []
+    canaries = None
     if model is None:  # most-popular: the (DP) histogram ranks every user's items alike
         valid = evaluate(freqs, data.valid_inputs, data.valid_targets, data.valid_seen, 0)
         test = evaluate(freqs, data.test_inputs, data.test_targets, data.test_seen, 0)
@@ -414,7 +442,7 @@ def _train_seqrec(cfg: SeqRecTrainConfig, run: Launch, t0: float) -> dict[str, A
     else:
         if cfg.model == "dpformer":
             model.set_effective_errors(plan.noise_multiplier, cfg.batch_size, freqs)
-        best_epoch, valid, eps_curve, history, best_state = _train(
+        best_epoch, valid, eps_curve, history, best_state, canaries = _train(
             cfg, data, plan, model, ledger, out, run
         )
         model.load_state_dict(best_state)  # the state saved in checkpoints/best.pt
@@ -454,6 +482,7 @@ def _train_seqrec(cfg: SeqRecTrainConfig, run: Launch, t0: float) -> dict[str, A
         "wall_time_s": time.perf_counter() - t0,
         "note": _privacy_note(cfg, data.privacy_unit),
     }
+    report_audit(results, canaries, plan.delta, ledger)
     if run.distributed:
         results["world_size"] = run.world_size
     if main:
@@ -501,6 +530,9 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
         )
         batches = iter(private.data_loader)
         opt = private.optimizer
+        canaries = attach_audit_canaries(
+            cfg.audit, model.parameters(), opt, cfg.audit_canaries, cfg.seed
+        )
         if run.rank > 0:  # own dropout stream per rank (rank 0 keeps the one-process one)
             torch.manual_seed(cfg.seed + 7919 * run.rank)
     else:
@@ -512,6 +544,7 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
         )
         batches = cycle(loader)
         opt = optimizer
+        canaries = None
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(plan.steps, cfg.warmup_fraction))
 
     ckpt = out / "checkpoints"
@@ -593,7 +626,7 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
             },
             ckpt / "last.pt",
         )
-    return best[1], best[2], eps_curve, history, best_state
+    return best[1], best[2], eps_curve, history, best_state, canaries
 
 
 def _spent(ledger: PrivacyLedger, plan: _Plan, accountant: str) -> float:

@@ -25,7 +25,9 @@
    subset is decoded with beam search for hyper-parameter selection (the
    batch x learning-rate study reads its BLEU).
 4. **save**: the run folder holds ``config.yaml``, ``data.json``, ``ledger.json``,
-   ``metrics.jsonl`` (one line per epoch), ``results.json``,
+   ``metrics.jsonl`` (one line per epoch), ``results.json`` (with ``audit=true``
+   its ``audit`` section: the white-box one-run audit of this run,
+   :class:`~dptrain.audit.GradientCanaries`, on every private path),
    ``generations.jsonl`` (every decoded test table), ``samples.md``,
    ``tokenizer/``, ``model/`` (``save_pretrained``: a valid ``init_from``) and
    PNG plots of the validation loss and of epsilon over steps.
@@ -79,6 +81,7 @@ from dptrain.accounting import (
     sample_rate_from_batch,
     steps_from_epochs,
 )
+from dptrain.audit.gradient_canaries import GradientCanaries
 from dptrain.config import save_config
 from dptrain.data.e2e import load_e2e
 from dptrain.losses import per_example_cross_entropy
@@ -90,9 +93,12 @@ from dptrain.recipes._causal_lm import (
 )
 from dptrain.recipes._common import (
     DELTA_RULES,
+    attach_audit_canaries,
+    check_audit,
     check_choice,
     cycle,
     epsilon_so_far,
+    report_audit,
     resolve_delta,
 )
 from dptrain.recipes._schedules import lr_lambda
@@ -200,6 +206,11 @@ class Table2TextConfig:
     device: str = "cpu"
     """Where the model trains and decodes: ``cpu``, ``cuda`` or ``cuda:N``."""
     seed: int = 0
+    audit: bool = False
+    """Run the white-box one-run audit on this run (dptrain.audit.GradientCanaries): its
+    lower bounds go to results.json's ``audit`` section; the canaries are in the model."""
+    audit_canaries: int = 100_000
+    """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/table2text"
     save_checkpoint: bool = True
     progress: bool = True
@@ -234,6 +245,9 @@ class Table2TextConfig:
             check_choice("delta", self.delta, DELTA_RULES)
         else:
             check_in_interval("delta", self.delta, 0.0, 1.0)
+        check_audit(
+            self.audit, self.audit_canaries, private=self.private, non_private="epsilon=null"
+        )
         check_in_interval("valid_fraction", self.valid_fraction, 0.0, 1.0)
         check_in_interval("dropout", self.dropout, 0.0, 1.0, low_open=False)
         check_in_interval("warmup_fraction", self.warmup_fraction, 0.0, 1.0, low_open=False)
@@ -306,6 +320,8 @@ class FittedLM:
     tokenizer_note: str = ""
     n_truncated: int = 0
     n_trainable: int = 0
+    canaries: GradientCanaries | None = None
+    """The audit's canaries (``audit=true``), attached to the run's DP optimizer."""
 
 
 # -- encoding ---------------------------------------------------------------------------------
@@ -587,7 +603,8 @@ def fit_table2text(
     (privately iff ``cfg.epsilon`` is not None: DP-Adam, noise calibrated so the
     planned steps are (epsilon, delta)-DP), and writes ``tokenizer/``,
     ``ledger.json`` and ``metrics.jsonl`` under ``out``. Returns the model in
-    eval mode with the best weights.
+    eval mode with the best weights (and, with ``cfg.audit``, the canaries the
+    private run's optimizer added and observed: :attr:`FittedLM.canaries`).
     """
     from dptrain.privacy_engine import make_private
 
@@ -633,7 +650,7 @@ def fit_table2text(
     dataset = torch.utils.data.TensorDataset(enc["input_ids"], enc["attention_mask"], enc["labels"])
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model.train()
-    ledger = None
+    ledger, canaries = None, None
     if cfg.private:
         private = make_private(
             model,
@@ -655,6 +672,7 @@ def fit_table2text(
         ledger = private.ledger
         batches = iter(private.data_loader)
         opt = private.optimizer
+        canaries = attach_audit_canaries(cfg.audit, trainable, opt, cfg.audit_canaries, cfg.seed)
     else:
         loader = torch.utils.data.DataLoader(
             dataset,
@@ -757,6 +775,7 @@ def fit_table2text(
         tokenizer_note=note,
         n_truncated=n_truncated,
         n_trainable=sum(p.numel() for p in trainable),
+        canaries=canaries,
     )
 
 
@@ -1013,6 +1032,7 @@ def train_table2text(cfg: Table2TextConfig) -> dict[str, Any]:
             else "non-private run: no guarantee"
         ),
     }
+    report_audit(results, fitted.canaries, fitted.delta, fitted.ledger)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     _plot(fitted.history, cfg, out / "plots")
     return results

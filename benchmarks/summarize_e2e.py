@@ -1,4 +1,4 @@
-"""The E2E table of docs/lm.md from `dptrain train table2text` run folders.
+"""The E2E tables of docs/lm.md from `dptrain train table2text` run folders (beam or greedy).
 
     python benchmarks/summarize_e2e.py runs/lm/e2e/epsnull runs/lm/e2e/eps8 runs/lm/e2e/eps3 \
         --out docs/img/e2e_table2text.png
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 
@@ -39,6 +40,11 @@ def _label(r: dict) -> str:
     return "non-private" if not r["private"] else f"epsilon {r['target_epsilon']:g}"
 
 
+def _fmt(r: dict, key: str) -> str:
+    """A score with one decimal, or "-" where the run did not compute it."""
+    return "-" if r.get(key) is None else f"{r[key]:.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders")
@@ -57,11 +63,13 @@ def main() -> None:
         eps = "inf" if not r["private"] else f"{r['epsilon']:.2f}"
         sigma = "-" if r["noise_multiplier"] is None else f"{r['noise_multiplier']:.2f}"
         print(
-            f"| {_label(r)} | {eps} | {sigma} | {r['test_bleu_beam']:.1f} "
-            f"| {r['test_rouge_l_beam']:.1f} | {r['test_bleu_greedy']:.1f} "
-            f"| {r['test_rouge_l_greedy']:.1f} | {r['valid_bleu_beam']:.1f} "
+            f"| {_label(r)} | {eps} | {sigma} | {_fmt(r, 'test_bleu_beam')} "
+            f"| {_fmt(r, 'test_rouge_l_beam')} | {_fmt(r, 'test_bleu_greedy')} "
+            f"| {_fmt(r, 'test_rouge_l_greedy')} | {_fmt(r, 'valid_bleu_beam')} "
             f"| {r['valid_perplexity']:.2f} | {r['steps']} | {r['train_wall_time_s'] / 60:.0f} min |"
         )
+    # runs decoded greedily only (beam_size=1) are compared on their greedy texts
+    decoding = "beam" if all("test_bleu_beam" in r for r, _, _ in runs) else "greedy"
 
     # test BLEU on tables whose restaurant name the training pairs contain, and on the rest:
     # half the test names never occur in the dev set that is trained on
@@ -73,14 +81,19 @@ def main() -> None:
     print(
         f"\n{len(seen)} test tables name a restaurant of the training pairs, {len(unseen)} do not\n"
     )
-    print("| run | BLEU beam, seen name | BLEU beam, unseen name | ROUGE-L beam, seen | unseen |")
+    print(
+        f"| run | BLEU {decoding}, seen name | BLEU {decoding}, unseen name "
+        f"| ROUGE-L {decoding}, seen | unseen |"
+    )
     print("| --- | ---: | ---: | ---: | ---: |")
     for r, _, gens in runs:
-        a = score_generations(
-            [gens[t]["beam"] for t in seen], [gens[t]["references"] for t in seen]
-        )
-        b = score_generations(
-            [gens[t]["beam"] for t in unseen], [gens[t]["references"] for t in unseen]
+        a, b = (
+            score_generations(
+                [gens[t][decoding] for t in group], [gens[t]["references"] for t in group]
+            )
+            if group
+            else {"bleu": math.nan, "rouge_l": math.nan}
+            for group in (seen, unseen)
         )
         print(
             f"| {_label(r)} | {a['bleu']:.1f} | {b['bleu']:.1f} | {a['rouge_l']:.1f} "
@@ -90,7 +103,7 @@ def main() -> None:
     for table in seen[:: max(1, len(seen) // args.samples)][: args.samples]:
         print(f"**Table** `{table}`\n")
         for r, _, gens in runs:
-            print(f"- {_label(r)}: {gens[table]['beam']}")
+            print(f"- {_label(r)}: {gens[table][decoding]}")
         print(f"- reference: {runs[0][2][table]['references'][0]}\n")
 
     import matplotlib
@@ -98,20 +111,35 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    model = runs[0][0].get("model", "GPT-2-style LM from scratch")
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for r, history, _ in runs:
-        ax.plot(
-            [h["epoch"] for h in history],
-            [h["valid_loss"] for h in history],
-            marker="o",
-            ms=3,
-            label=f"{_label(r)}: test BLEU {r['test_bleu_beam']:.1f}",
-        )
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("validation loss (nats / text token)")
-    ax.set_title("E2E table-to-text, GPT-2-style LM from scratch")
+    if all(len(history) > 1 for _, history, _ in runs):
+        for r, history, _ in runs:
+            ax.plot(
+                [h["epoch"] for h in history],
+                [h["valid_loss"] for h in history],
+                marker="o",
+                ms=3,
+                label=f"{_label(r)}: test BLEU {r[f'test_bleu_{decoding}']:.1f}",
+            )
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("validation loss (nats / text token)")
+        ax.legend()
+    else:  # one evaluation per run: the test scores side by side
+        labels = [_label(r) for r, _, _ in runs]
+        x = range(len(runs))
+        bleu = [r[f"test_bleu_{decoding}"] for r, _, _ in runs]
+        rouge = [r[f"test_rouge_l_{decoding}"] for r, _, _ in runs]
+        ax.bar([i - 0.2 for i in x], bleu, width=0.4, label=f"BLEU ({decoding})")
+        ax.bar([i + 0.2 for i in x], rouge, width=0.4, label=f"ROUGE-L ({decoding})")
+        for i, (b, g) in enumerate(zip(bleu, rouge, strict=True)):
+            ax.text(i - 0.2, b + 0.5, f"{b:.1f}", ha="center", fontsize=8)
+            ax.text(i + 0.2, g + 0.5, f"{g:.1f}", ha="center", fontsize=8)
+        ax.set_xticks(list(x), labels)
+        ax.set_ylabel(f"test score ({runs[0][0]['test_tables_decoded']} tables)")
+        ax.legend(loc="lower right")
+    ax.set_title(f"E2E table-to-text, {model}")
     ax.grid(alpha=0.3)
-    ax.legend()
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)

@@ -32,3 +32,16 @@ def test_cudnn_tf32_counts_only_for_models_with_convolutions(restore_flags):
     assert tolerance_dtype(torch.float32, "cuda", nn.Linear(3, 4)) == torch.float32
     torch.backends.cudnn.allow_tf32 = False
     assert tolerance_dtype(torch.float32, "cuda", conv) == torch.float32
+
+
+def test_per_model_answers_equal_the_direct_rule(restore_flags):
+    from dptrain.clipping.precision import tolerance_dtypes
+
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True
+    of = tolerance_dtypes(conv)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for device in (torch.device("cpu"), torch.device("cuda")):
+            assert of(dtype, device) == tolerance_dtype(dtype, device, conv)
+    assert of(torch.float32, torch.device("cuda")) == torch.float16

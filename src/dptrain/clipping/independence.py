@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from dptrain.clipping.layout import example_slice
-from dptrain.clipping.precision import tolerance_dtype
+from dptrain.clipping.precision import tolerance_dtypes
 
 if TYPE_CHECKING:  # pragma: no cover
     from dptrain.clipping.engine import ClippingEngine
@@ -73,6 +73,7 @@ def run(engine: ClippingEngine, uses, b: int) -> None:
         return
     args, kwargs = engine._root_inputs
     unverified: list[str] = []
+    tol_dtype_of = tolerance_dtypes(engine.model)  # float32 under TF32: float16's
     with _eval_mode(engine.model), _same_random_state(engine.model):
         batched = engine._probe_inputs(args, kwargs)
         for i in sorted({0, b - 1}):
@@ -105,8 +106,7 @@ def run(engine: ClippingEngine, uses, b: int) -> None:
                         unverified.append(f"{use.name} ({type(use.module).__name__})")
                         continue  # which the projection sums over
                     err = _difference(x, y, i, b)
-                    tol_dtype = tolerance_dtype(dtype, x.device, engine.model)  # TF32
-                    if err > INPUT_TOLERANCE.get(tol_dtype, 0.0):
+                    if err > INPUT_TOLERANCE.get(tol_dtype_of(dtype, x.device), 0.0):
                         raise UnsupportedModelError(
                             f"module {use.name} ({type(use.module).__name__}): the input of "
                             f"its call {k} for example {i} differs when the example is run "

@@ -16,10 +16,13 @@ refuses the mixing the checks are for (relative differences of order one).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-__all__ = ["tf32_in_use", "tolerance_dtype"]
+__all__ = ["tf32_in_use", "tolerance_dtype", "tolerance_dtypes"]
 
 
 def tf32_in_use(device: torch.device | str, model: nn.Module | None = None) -> bool:
@@ -43,3 +46,14 @@ def tolerance_dtype(
     if dtype == torch.float32 and tf32_in_use(device, model):
         return torch.float16
     return dtype
+
+
+def tolerance_dtypes(model: nn.Module) -> Callable[[torch.dtype, torch.device], torch.dtype]:
+    """:func:`tolerance_dtype` for ``model``, each (dtype, device) answered once: the
+    checks ask per recorded call, and the answer may walk the model's modules."""
+
+    @functools.cache
+    def of(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        return tolerance_dtype(dtype, device, model)
+
+    return of

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dptrain.clipping.precision import tolerance_dtype
+from dptrain.clipping.precision import tolerance_dtypes
 
 if TYPE_CHECKING:  # pragma: no cover
     from dptrain.clipping.engine import ClippingEngine
@@ -103,8 +103,10 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
     )
     w_records = w.to(dtype)
     # float32 on a GPU with TF32 matrix products rounds as float16 does (precision.py)
-    tol_dtype = tolerance_dtype(dtype, losses.device, engine.model)
-    tol = SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[tol_dtype]
+    tol_dtype_of = tolerance_dtypes(engine.model)
+    tol = (
+        SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[tol_dtype_of(dtype, losses.device)]
+    )
 
     # rows: per recorded output, the weighted gradient against w_i times the plain one
     row_errors: list[float] = [0.0 if d is None else math.inf for d in g_dtypes]
@@ -166,9 +168,7 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
         calls, g_dtypes, g_devices, row_errors, strict=True
     ):
         # float32 under TF32 on a GPU is checked at float16's tolerance (precision.py)
-        tol_dtype = (
-            torch.float32 if g_dtype is None else tolerance_dtype(g_dtype, g_device, engine.model)
-        )
+        tol_dtype = torch.float32 if g_dtype is None else tol_dtype_of(g_dtype, g_device)
         if err > ROW_TOLERANCE.get(tol_dtype, 1e-5):
             raise UnsupportedModelError(
                 f"module {use.name} ({type(use.module).__name__}): the rows of its "
@@ -199,9 +199,7 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
         err = diff / scale if scale > 0 else 0.0
         ptol = tol
         if any(u.rule.float32_inside for u, _ in engine._groups[name]):
-            ptol = max(
-                tol, SUM_TOLERANCE[tolerance_dtype(torch.float32, losses.device, engine.model)]
-            )
+            ptol = max(tol, SUM_TOLERANCE[tol_dtype_of(torch.float32, losses.device)])
         if err > ptol:
             owners = ", ".join(
                 f"{u.name} ({type(u.module).__name__})" for u, _ in engine._groups[name]

@@ -120,7 +120,7 @@ def _config(files, out, **overrides) -> ClassifyTrainConfig:
         "epochs": 1,
         "batch_size": BATCH,
         "micro_batches": M,
-        "epsilon": None if method == "nonprivate" else EPS,
+        "epsilon": None if method.startswith("nonprivate") else EPS,
         "progress": False,
         "out": str(out),
     }
@@ -157,7 +157,7 @@ def _check_run_folder(out, cfg: ClassifyTrainConfig, results: dict) -> dict:
     # the resolved config reloads to the same settings
     assert load_config(ClassifyTrainConfig, out / "config.yaml") == cfg
     ledger = PrivacyLedger.from_json((out / "ledger.json").read_text())
-    if cfg.method == "nonprivate":
+    if cfg.method.startswith("nonprivate"):
         assert saved["epsilon"] == math.inf and saved["delta"] == 0.0
         assert saved["noise_multiplier"] == 0.0 and saved["epsilon_by_accountant"] == {}
         assert saved["target_epsilon"] is None and saved["calibrated_with"] is None
@@ -199,7 +199,7 @@ def test_each_method_writes_the_run_folder(files, tmp_path, method):
         assert f"{STEPS * M} subsampled Gaussian events" in saved["privacy_scope_detail"]
     assert ("OUTSIDE the formal guarantee" in scope) == (method == "dpfp-finetune")
     state = torch.load(out / "checkpoints" / "best.pt", weights_only=True)
-    if method in ("dpsgd-head", "dpfp"):  # frozen encoder: the checkpoint is the head
+    if method in ("nonprivate-head", "dpsgd-head", "dpfp"):  # frozen: the checkpoint is the head
         assert set(state) == {"weight", "bias"} and state["weight"].shape == (2, 16)
     else:
         assert "encoder.encoder.embeddings.word_embeddings.weight" in state
@@ -316,6 +316,61 @@ def test_feature_cache_is_reused(files, tmp_path, monkeypatch):
         )
 
 
+# -- test_data: train on one source, score on another -------------------------------------
+
+
+def _named_rows() -> list[tuple[str, str]]:
+    return [(text, "good" if y else "bad") for text, y in _rows()]
+
+
+def test_test_data_file_is_the_whole_test_set(files, tmp_path):
+    train_file = _write_csv(tmp_path / "train.csv", _named_rows())
+    test_rows = [("the cast was fun", "good"), ("the plot was dull", "bad"), ("dull", "bad")]
+    test_file = _write_csv(tmp_path / "test.csv", test_rows)
+    cfg = _config(
+        files, tmp_path / "run", data=train_file, test_data=test_file, method="nonprivate-head"
+    )
+    data = classify.load_classification_data(cfg)
+    assert data.label_names == ["bad", "good"]
+    assert data.test_texts == [t for t, _ in test_rows]
+    assert [data.label_names[k] for k in data.test_labels.tolist()] == [y for _, y in test_rows]
+    # the training file keeps no test split: 90 / 10 train / dev
+    assert (data.n_train, len(data.dev_texts)) == (54, 6)
+    results = train_classify(cfg)
+    assert results["n_test"] == 3 and results["n_train"] == 54
+    summary = json.loads((tmp_path / "run" / "data.json").read_text())
+    assert summary["test_data"] == {"source": test_file, "split": "all records", "size": 3}
+
+
+def test_packaged_test_data_labels_are_matched_by_name(files, tmp_path, monkeypatch):
+    from dptrain.data import text_classification as tc
+
+    # the packaged set names its labels ["rotten", "fresh"]; the training file's sorted
+    # names are ["fresh", "rotten"]: label 0 of one is label 1 of the other
+    rows = [(t, "fresh" if y == "good" else "rotten") for t, y in _named_rows()]
+    train_file = _write_csv(tmp_path / "train.csv", rows)
+    packaged = tc.load_text_file(
+        _write_csv(tmp_path / "packaged.csv", rows), label_names=["rotten", "fresh"], seed=0
+    )
+    monkeypatch.setattr(tc, "load_rotten_tomatoes", lambda seed: packaged)
+    cfg = _config(files, tmp_path / "run", data=train_file, test_data="rotten-tomatoes")
+    data = classify.load_classification_data(cfg)
+    assert data.label_names == ["fresh", "rotten"]
+    assert data.test_texts == packaged.test_texts
+    names = [data.label_names[k] for k in data.test_labels.tolist()]
+    assert names == [packaged.label_names[k] for k in packaged.test_labels.tolist()]
+    assert set(names) == {"fresh", "rotten"}
+    # other names than the training data's: refused, naming both
+    bad = _write_csv(tmp_path / "bad.csv", _named_rows())
+    cfg = _config(files, tmp_path / "run2", data=bad, test_data="rotten-tomatoes")
+    with pytest.raises(
+        ValueError,
+        match=r"test_data='rotten-tomatoes' is not allowed .* its "
+        r"labels \['rotten', 'fresh'\] are not the training data's \['bad', 'good'\]",
+    ):
+        classify.load_classification_data(cfg)
+
+
 # -- bad input ----------------------------------------------------------------------------
 
 
@@ -378,6 +433,17 @@ BAD_RUNS = {
         lambda f: {"objective": "infilling", "label_words": ["terrible", "great", "fun"]},
         r"label_words=\['terrible', 'great', 'fun'\] is not allowed: expected 2 words",
     ),
+    "test data file does not exist": (
+        lambda f: {"test_data": str(f["root"] / "nope.csv")},
+        r"test_data='.*nope\.csv' is not allowed: expected 'rotten-tomatoes', 'womens-clothing'",
+    ),
+    "test data with other labels": (
+        lambda f: {
+            "test_data": _write_csv(f["root"] / "other.csv", [("good", "yes"), ("bad", "no")])
+        },
+        r"^test_data='.*other\.csv' is not allowed: .*label\(s\) \['no', 'yes'\] not in "
+        r"label_names=\['0', '1'\]",
+    ),
     "no label words for a user file": (
         lambda f: {"objective": "infilling"},
         r"label_words=None is not allowed for data='.*reviews\.csv' with objective='infilling'",
@@ -408,6 +474,10 @@ BAD_CONFIGS = {
         {"method": "nonprivate", "epsilon": 3.0},
         r"^epsilon=3\.0 is not allowed with method='nonprivate': set epsilon=null",
     ),
+    "nonprivate-head with epsilon": (
+        {"method": "nonprivate-head", "epsilon": 3.0},
+        r"^epsilon=3\.0 is not allowed with method='nonprivate-head': set epsilon=null",
+    ),
     "nonprivate with max_norm": (
         {"method": "nonprivate", "max_norm": 1.0},
         r"^max_norm=1\.0 is not allowed with method='nonprivate'",
@@ -431,8 +501,8 @@ BAD_CONFIGS = {
     ),
     "unknown method": (
         {"method": "dp-adam"},
-        r"^method='dp-adam' is not allowed: expected one of \['nonprivate', 'dpsgd', "
-        r"'dpsgd-head', 'dpfp', 'dpfp-finetune'\]$",
+        r"^method='dp-adam' is not allowed: expected one of \['nonprivate', 'nonprivate-head', "
+        r"'dpsgd', 'dpsgd-head', 'dpfp', 'dpfp-finetune'\]$",
     ),
     "unknown objective": ({"objective": "prompting"}, r"^objective='prompting' is not allowed"),
     "mask pooling for the linear objective": (

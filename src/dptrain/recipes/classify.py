@@ -3,6 +3,9 @@
 ``dptrain train classify [--config FILE] [key=value ...]`` with ``method=``
 
 - ``nonprivate``: full fine-tuning with AdamW (no guarantee);
+- ``nonprivate-head``: AdamW on the head only, the encoder frozen (a linear
+  probe; no guarantee; the reference for ``dpsgd-head``, and the classifier to
+  train on DP synthetic text, whose guarantee carries over by post-processing);
 - ``dpsgd``: full fine-tuning with DP-Adam through the clipping engine
   (Li et al. 2022: large batch, C = 0.1); the whole model is covered;
 - ``dpsgd-head``: DP-Adam on the head only, the encoder frozen (a private
@@ -98,6 +101,7 @@ from dptrain.recipes._launch import Launch, launch, refuse_several_processes
 __all__ = [
     "METHODS",
     "METHOD_DEFAULTS",
+    "NON_PRIVATE_METHODS",
     "ClassifyTrainConfig",
     "frozen_encoder_features",
     "load_classification_data",
@@ -107,8 +111,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: The five methods compared (issue 3).
-METHODS = ("nonprivate", "dpsgd", "dpsgd-head", "dpfp", "dpfp-finetune")
-_FROZEN = ("dpsgd-head", "dpfp")  # the encoder is not trained
+METHODS = ("nonprivate", "nonprivate-head", "dpsgd", "dpsgd-head", "dpfp", "dpfp-finetune")
+#: Methods without a guarantee (no epsilon, no clipping norm).
+NON_PRIVATE_METHODS = ("nonprivate", "nonprivate-head")
+_FROZEN = ("nonprivate-head", "dpsgd-head", "dpfp")  # the encoder is not trained
 _DPFP = ("dpfp", "dpfp-finetune")
 _OBJECTIVES = ("linear", "infilling")
 #: Methods that run on several processes (torchrun); the others train in one process.
@@ -123,6 +129,7 @@ _MULTI_PROCESS = ("dpsgd", "dpsgd-head")
 #: rates leave the fresh head at the majority class after 3 epochs of noisy steps.
 METHOD_DEFAULTS: dict[str, dict[str, float | int | None]] = {
     "nonprivate": {"batch_size": 32, "max_norm": None, "lr": 5e-5, "head_lr": 1e-3},
+    "nonprivate-head": {"batch_size": 64, "max_norm": None, "lr": None, "head_lr": 1e-2},
     "dpsgd": {"batch_size": 256, "max_norm": 0.1, "lr": 5e-4, "head_lr": 0.1},
     "dpsgd-head": {"batch_size": 256, "max_norm": 0.1, "lr": None, "head_lr": 0.1},
     "dpfp": {"batch_size": 32, "max_norm": 1.0, "lr": None, "head_lr": 0.1},
@@ -134,6 +141,8 @@ _LABEL_WORDS = {"rotten-tomatoes": ["terrible", "great"], "womens-clothing": ["b
 
 _SCOPES = {
     "nonprivate": "none: non-private training",
+    "nonprivate-head": "none: non-private training of the head (the encoder is the public "
+    "pretrained model, frozen)",
     "dpsgd": "example-level DP for the whole model (encoder and head); labels are protected",
     "dpsgd-head": "example-level DP for the head; the encoder is the public pretrained "
     "model, frozen; labels are protected",
@@ -157,6 +166,12 @@ class ClassifyTrainConfig:
     """``rotten-tomatoes``, ``womens-clothing`` (packaged) or a CSV/TSV/JSONL/Parquet path."""
     text_col: str = "text"
     label_col: str = "label"
+    test_data: str | None = None
+    """Score test accuracy on another data set: the test split of ``rotten-tomatoes`` or
+    ``womens-clothing``, or every record of a CSV/TSV/JSONL/Parquet file (same
+    ``text_col`` / ``label_col``); e.g. a classifier trained on DP synthetic text, tested
+    on real text. Its label names must be the training data's (matched by name). A file
+    given as ``data`` then keeps no test split of its own (train / dev 90 / 10)."""
     train_size: int | None = None
     """Train on a seeded random subset of this many training records (CPU-sized runs)."""
     split_seed: int = 0
@@ -237,11 +252,12 @@ class ClassifyTrainConfig:
             check_in_interval("delta", self.delta, 0.0, 1.0)
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay={self.weight_decay!r} is not allowed: expected >= 0")
-        if self.method == "nonprivate":
+        if not self.private:
             for name in ("epsilon", "max_norm"):
                 if getattr(self, name) is not None:
                     raise ValueError(
-                        f"{name}={getattr(self, name)!r} is not allowed with method='nonprivate': "
+                        f"{name}={getattr(self, name)!r} is not allowed with "
+                        f"method={self.method!r}: "
                         f"set {name}=null (a non-private run has no privacy parameters)"
                     )
         elif self.epsilon is None:
@@ -281,30 +297,82 @@ class ClassifyTrainConfig:
 
     @property
     def private(self) -> bool:
-        return self.method != "nonprivate"
+        return self.method not in NON_PRIVATE_METHODS
 
 
 # -- setup -----------------------------------------------------------------------------------
 
 
-def load_classification_data(cfg: ClassifyTrainConfig) -> TextClassificationData:
-    """The split data the config names, with the training subset applied."""
+def _load_source(
+    cfg: ClassifyTrainConfig,
+    arg: str,
+    spec: str,
+    *,
+    label_names: list[str] | None = None,
+    test_fraction: float = 0.1,
+) -> TextClassificationData:
+    """The packaged data set or file ``spec`` (the value of config field ``arg``), split."""
     from dptrain.data import text_classification as tc
 
-    if cfg.data == "rotten-tomatoes":
-        data = tc.load_rotten_tomatoes(seed=cfg.split_seed)
-    elif cfg.data == "womens-clothing":
-        data = tc.load_womens_clothing(seed=cfg.split_seed)
-    else:
-        path = Path(cfg.data)
-        if not path.is_file():
-            raise ValueError(
-                f"data={cfg.data!r} is not allowed: expected 'rotten-tomatoes', "
-                "'womens-clothing' or the path of an existing CSV/TSV/JSONL/Parquet file"
-            )
-        data = tc.load_text_file(
-            path, text_col=cfg.text_col, label_col=cfg.label_col, seed=cfg.split_seed
+    if spec == "rotten-tomatoes":
+        return tc.load_rotten_tomatoes(seed=cfg.split_seed)
+    if spec == "womens-clothing":
+        return tc.load_womens_clothing(seed=cfg.split_seed)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(
+            f"{arg}={spec!r} is not allowed: expected 'rotten-tomatoes', "
+            "'womens-clothing' or the path of an existing CSV/TSV/JSONL/Parquet file"
         )
+    return tc.load_text_file(
+        path,
+        text_col=cfg.text_col,
+        label_col=cfg.label_col,
+        label_names=label_names,
+        seed=cfg.split_seed,
+        dev_fraction=0.0 if test_fraction == 0.0 and arg == "test_data" else 0.1,
+        test_fraction=test_fraction,
+    )
+
+
+def _use_test_data(cfg: ClassifyTrainConfig, data: TextClassificationData) -> None:
+    """Replace ``data``'s test split by ``cfg.test_data``'s, labels mapped by name."""
+    packaged = cfg.test_data in ("rotten-tomatoes", "womens-clothing")
+    # A file is all test: read it whole (no dev, no test split) and take its "train" part.
+    try:
+        other = _load_source(
+            cfg,
+            "test_data",
+            cfg.test_data,
+            label_names=None if packaged else data.label_names,
+            test_fraction=0.1 if packaged else 0.0,
+        )
+    except ValueError as err:
+        if str(err).startswith("test_data="):
+            raise
+        raise ValueError(f"test_data={cfg.test_data!r} is not allowed: {err}") from None
+    texts, labels = other.split("test") if packaged else other.split("train")
+    if sorted(other.label_names) != sorted(data.label_names):
+        raise ValueError(
+            f"test_data={cfg.test_data!r} is not allowed with data={cfg.data!r}: its labels "
+            f"{other.label_names} are not the training data's {data.label_names}"
+        )
+    index = torch.tensor([data.label_names.index(name) for name in other.label_names])
+    data.test_texts, data.test_labels = list(texts), index[labels]
+    data.summary["test_data"] = {
+        "source": other.summary.get("source", cfg.test_data),
+        "split": "test" if packaged else "all records",
+        "size": len(texts),
+    }
+    data.summary["sizes"] = {**data.summary["sizes"], "test": len(texts)}
+
+
+def load_classification_data(cfg: ClassifyTrainConfig) -> TextClassificationData:
+    """The split data the config names, with the training subset and ``test_data`` applied."""
+    own_test = cfg.test_data is None or cfg.data in ("rotten-tomatoes", "womens-clothing")
+    data = _load_source(cfg, "data", cfg.data, test_fraction=0.1 if own_test else 0.0)
+    if cfg.test_data is not None:
+        _use_test_data(cfg, data)
     if cfg.train_size is not None and cfg.train_size < data.n_train:
         gen = torch.Generator().manual_seed(cfg.split_seed)
         keep = torch.randperm(data.n_train, generator=gen)[: cfg.train_size].sort().values
@@ -899,7 +967,7 @@ def _make_step(
 
         return dpfp_step, lambda: trainer.privacy_scope(plan.delta, "pld"), None
 
-    if cfg.method == "nonprivate":
+    if not cfg.private:
         loader = torch.utils.data.DataLoader(
             train_set,
             batch_size=cfg.batch_size,

@@ -41,12 +41,18 @@ from dptrain.config import (
     split_config_values,
 )
 from dptrain.recipes._grid import run_all
-from dptrain.recipes.classify import METHODS, ClassifyTrainConfig, train_classify
+from dptrain.recipes.classify import (
+    METHODS,
+    NON_PRIVATE_METHODS,
+    ClassifyTrainConfig,
+    train_classify,
+)
 
 __all__ = ["DPFPExperimentConfig", "load_dpfp_experiment_config", "run_dpfp_experiment"]
 
 _ROW_NAMES = {
     "nonprivate": "Non-private fine-tuning",
+    "nonprivate-head": "Non-private, head only (frozen encoder)",
     "dpsgd": "DP-SGD (DP-Adam), full fine-tuning",
     "dpsgd-head": "DP-SGD, head only (frozen encoder)",
     "dpfp": "DP-FP, frozen encoder",
@@ -59,7 +65,7 @@ _GRID_KEYS = ("method", "epsilon", "seed", "out", "progress", "save_checkpoint")
 class DPFPExperimentConfig:
     """The grid; ``train`` holds the user's training settings shared by every run."""
 
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m != "nonprivate-head")
     epsilons: tuple[float, ...] = (1.0, 3.0, 8.0)
     seeds: int = 3
     clip_sweep: tuple[float, ...] = ()
@@ -91,7 +97,7 @@ class DPFPExperimentConfig:
         for e in (*self.epsilons, self.sweep_epsilon):
             if not e > 0:
                 raise ValueError(f"epsilon {e!r} in the grid is not allowed: expected > 0")
-        if any(m != "nonprivate" for m in self.methods) and not self.epsilons:
+        if any(m not in NON_PRIVATE_METHODS for m in self.methods) and not self.epsilons:
             raise ValueError("epsilons=[] is not allowed with private methods in the grid")
         for c in self.clip_sweep:
             if not c > 0:
@@ -145,9 +151,9 @@ class DPFPExperimentConfig:
             runs.setdefault(key, run)
 
         for method in self.methods:
-            columns = [None] if method == "nonprivate" else list(self.epsilons)
+            columns = [None] if method in NON_PRIVATE_METHODS else list(self.epsilons)
             for eps in columns:
-                tag = "nonprivate" if eps is None else f"eps{eps:g}"
+                tag = method if eps is None else f"eps{eps:g}"
                 for seed in range(self.seeds):
                     add(out / method / tag, method, eps, seed)
         for c in self.clip_sweep:
@@ -316,7 +322,7 @@ def results_table(results, cfg: DPFPExperimentConfig, wall_s: float, command: st
     ]
     for m in cfg.methods:
         runs = [r for r in main if r["method"] == m]
-        if m == "nonprivate":
+        if m in NON_PRIVATE_METHODS:
             cells = ["-"] * len(cfg.epsilons) + [_cell([r["accuracy"] for r in runs])]
         else:
             cells = [_cell([r["accuracy"] for r in _select(main, m, e)]) for e in cfg.epsilons]
@@ -325,7 +331,7 @@ def results_table(results, cfg: DPFPExperimentConfig, wall_s: float, command: st
         scope = runs[0]["privacy_scope"] if runs else ""
         lines.append(f"| {_ROW_NAMES[m]} | " + " | ".join(cells) + f" | {wall:.0f} s | {scope} |")
     lines.append("")
-    private = [r for r in main if r["method"] != "nonprivate"]
+    private = [r for r in main if r["method"] not in NON_PRIVATE_METHODS]
     if private:
         lines += [
             "PLD ε actually spent (max over runs) and noise multiplier per method and target:",
@@ -381,7 +387,7 @@ def plot_accuracy_vs_epsilon(results, cfg: DPFPExperimentConfig, path: Path) -> 
     main = _main_runs(results, cfg)
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for i, m in enumerate(cfg.methods):
-        if m == "nonprivate":
+        if m in NON_PRIVATE_METHODS:
             acc = [r["accuracy"] for r in main if r["method"] == m]
             if acc:
                 ax.axhline(statistics.mean(acc), color="k", ls="--", lw=1, label=_ROW_NAMES[m])

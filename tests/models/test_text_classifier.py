@@ -17,6 +17,7 @@ from dptrain.models.text_classifier import (
     LabelWordHead,
     PooledEncoder,
     TextClassifier,
+    last_positions,
     mask_positions,
 )
 from tests.clipping.oracle_check import assert_engine_matches_oracle
@@ -127,11 +128,12 @@ def test_cls_pooler_and_mask_poolings() -> None:
 
 def test_pooling_arguments_are_checked() -> None:
     bert = tiny_bert()
-    assert POOLINGS == ("mean", "cls", "pooler", "mask")
+    assert POOLINGS == ("mean", "cls", "pooler", "mask", "last")
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "pooling='max' is not allowed: expected one of ['mean', 'cls', 'pooler', 'mask']"
+            "pooling='max' is not allowed: expected one of ['mean', 'cls', 'pooler', 'mask', "
+            "'last']"
         ),
     ):
         PooledEncoder(bert, "max")
@@ -271,3 +273,17 @@ def test_engine_matches_oracle_infilling_objective_tied_decoder(mode) -> None:
     ).eval()
     losses_of = _oracle_case(model, torch.tensor([1, 0, 1]))
     assert_engine_matches_oracle(model, losses_of, 3, mode=mode)
+
+
+def test_last_pooling_reads_each_rows_last_token_and_refuses_left_padding() -> None:
+    attention = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    assert last_positions(attention).tolist() == [2, 0, 3]
+    bert = tiny_bert()
+    pooled = PooledEncoder(bert, "last").eval()
+    ids = torch.randint(5, 30, (3, 4))
+    states = bert(input_ids=ids, attention_mask=attention).last_hidden_state
+    got = pooled({"input_ids": ids, "attention_mask": attention})
+    assert torch.equal(got, states[torch.arange(3), torch.tensor([2, 0, 3])])
+    for bad in ([[0, 1, 1, 1]], [[1, 0, 1, 0]], [[0, 0, 0, 0]]):
+        with pytest.raises(ValueError, match=r"input rows \[0\] are not padded on the right"):
+            last_positions(torch.tensor(bad))

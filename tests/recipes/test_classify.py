@@ -507,7 +507,7 @@ BAD_CONFIGS = {
     "unknown objective": ({"objective": "prompting"}, r"^objective='prompting' is not allowed"),
     "mask pooling for the linear objective": (
         {"pooling": "mask"},
-        r"^pooling='mask' is not allowed: expected one of \['mean', 'cls', 'pooler'\]$",
+        r"^pooling='mask' is not allowed: expected one of \['mean', 'cls', 'pooler', 'last'\]$",
     ),
     "pooling with infilling": (
         {"objective": "infilling", "pooling": "cls"},
@@ -585,3 +585,150 @@ def test_config_from_yaml_and_overrides(files, tmp_path):
         load_config(ClassifyTrainConfig, path)
     with pytest.raises(ConfigError, match=r"^epochs='many' is not allowed"):
         load_config(ClassifyTrainConfig, None, ["epsilon=3", "epochs=many"])
+
+
+# -- a causal LM as the encoder (tiny Llama): last-token pooling, label word as next token --
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from tests.lm_helpers import make_small_tokenizer, save_tiny_llama
+
+    folder = tmp_path_factory.mktemp("llama") / "tiny"
+    corpus = [t for t, _ in _rows()] + [f"{t} It was terrible" for t, _ in _rows()]
+    corpus += [f"{t} It was great" for t, _ in _rows()]
+    tokenizer = make_small_tokenizer(corpus=corpus, vocab_size=600)
+    assert len(tokenizer.tokenize(" great")) == len(tokenizer.tokenize(" terrible")) == 1
+    return str(save_tiny_llama(folder, tokenizer))
+
+
+def test_causal_lm_defaults_and_label_word_head_is_the_next_token(files, llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(
+        files,
+        tmp_path / "x",
+        encoder=llama,
+        objective="infilling",
+        method="dpsgd",
+        label_words=LABEL_WORDS,
+        lora_r=2,
+    )
+    assert cfg.causal and cfg.prompt == "It was [MASK]" and cfg.pooling is None
+    assert _config(files, tmp_path / "y", encoder=llama).pooling == "last"
+    data = classify.load_classification_data(cfg)
+    classifier, objective, tokenizer, _ = classify._setup_model(cfg, data)
+    assert objective["lora"]["r"] == 2 and objective["label_words"] == LABEL_WORDS
+    trainable = {n for n, p in classifier.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)  # tied LM head stays frozen
+    ids = classify._tokenize(cfg, tokenizer, data.train_texts[:4])
+    prompt = tokenizer(" It was", add_special_tokens=False)["input_ids"]
+    assert all(row[-len(prompt) :] == prompt for row in ids)
+    batch, _ = classify._TokenizedTexts(ids, data.train_labels[:4], tokenizer.pad_token_id).collate(
+        [(row, torch.tensor(0)) for row in ids]
+    )
+    # independent reference: the causal LM's own next-token logits after the prompt
+    lm = AutoModelForCausalLM.from_pretrained(llama).eval()
+    word_ids = [
+        tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" " + w)[0]) for w in LABEL_WORDS
+    ]
+    with torch.no_grad():
+        logits = lm(**batch).logits
+        last = batch["attention_mask"].sum(1) - 1
+        want = logits[torch.arange(4), last][:, word_ids]
+        got = classifier.eval()(batch)  # LoRA B starts at zero: the adapters change nothing yet
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("objective", ["linear", "infilling"])
+def test_causal_lm_engine_matches_the_oracle(files, llama, tmp_path, objective):
+    from tests.clipping.oracle_check import assert_engine_matches_oracle
+
+    cfg = _config(
+        files,
+        tmp_path / "x",
+        encoder=llama,
+        objective=objective,
+        method="dpsgd",
+        label_words=LABEL_WORDS,
+        lora_r=2,
+    )
+    data = classify.load_classification_data(cfg)
+    classifier, _, tokenizer, _ = classify._setup_model(cfg, data)
+    torch.manual_seed(0)
+    for _name, p in classifier.named_parameters():  # LoRA B starts at 0: give it weight
+        if p.requires_grad:
+            p.data.normal_(0, 0.3)
+    classifier = classifier.double().eval()
+    texts = classify._TokenizedTexts(
+        classify._tokenize(cfg, tokenizer, data.train_texts[:5]),
+        data.train_labels[:5],
+        tokenizer.pad_token_id,
+    )
+    inputs, labels = texts.collate([texts[i] for i in range(5)])
+    assert len(set(inputs["attention_mask"].sum(1).tolist())) > 1  # lengths differ: padding
+
+    def losses_of(sl):
+        return torch.nn.functional.cross_entropy(
+            classifier({k: v[sl] for k, v in inputs.items()}), labels[sl], reduction="none"
+        )
+
+    assert_engine_matches_oracle(classifier, losses_of, 5, mode="book_keeping")
+
+
+@pytest.mark.parametrize("objective", ["linear", "infilling"])
+def test_causal_lm_lora_runs_end_to_end(files, llama, tmp_path, objective):
+    out = tmp_path / "run"
+    cfg = _config(
+        files,
+        out,
+        encoder=llama,
+        objective=objective,
+        method="dpsgd",
+        label_words=LABEL_WORDS,
+        lora_r=2,
+        lr=1e-2,
+    )
+    saved = _check_run_folder(out, cfg, train_classify(cfg))
+    assert saved["objective"] == objective and saved["lora"]["r"] == 2
+    state = torch.load(out / "checkpoints" / "best.pt", weights_only=True)
+    assert any("lora_A" in k for k in state)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"objective": "infilling", "prompt": "It was [MASK]."},
+            r"^prompt='It was \[MASK\]\.' is not allowed with the causal LM encoder=.*'\[MASK\]' "
+            r"must end the prompt",
+        ),
+        (
+            {"method": "dpsgd-head", "lora_r": 4},
+            r"^lora_r=4 is not allowed with method='dpsgd-head': LoRA adapters train the encoder",
+        ),
+        ({"method": "dpsgd", "lora_r": 0}, r"^lora_r=0 is not allowed: expected an integer >= 1"),
+    ],
+)
+def test_causal_lm_bad_config(files, llama, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _config(files, tmp_path / "x", encoder=llama, label_words=LABEL_WORDS, **overrides)
+
+
+def test_causal_lm_label_word_of_two_tokens_is_refused(files, llama, tmp_path):
+    out = tmp_path / "run"
+    cfg = _config(
+        files,
+        out,
+        encoder=llama,
+        objective="infilling",
+        method="dpsgd",
+        label_words=["terrible", "xylophonic"],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"label_words entry 'xylophonic' is not allowed: it is "
+        r"not one token of the vocabulary",
+    ):
+        train_classify(cfg)
+    assert not out.exists()

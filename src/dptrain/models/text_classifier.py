@@ -2,7 +2,7 @@
 
     input_ids, attention_mask (B, T)
       -> encoder (any Hugging Face ``AutoModel``)      last_hidden_state (B, T, k)
-      -> pooling: mean | cls | pooler | mask           h (B, k)
+      -> pooling: mean | cls | pooler | mask | last    h (B, k)
       -> DP-FP layer (training only: clip to C + noise) h~ (B, k)
       -> head: linear (B, K), or the masked-LM head at the [MASK] position
          restricted to one label word per class (B, K)
@@ -35,11 +35,12 @@ __all__ = [
     "LabelWordHead",
     "PooledEncoder",
     "TextClassifier",
+    "last_positions",
     "mask_positions",
 ]
 
 #: Pooling of the token states into one vector per text.
-POOLINGS = ("mean", "cls", "pooler", "mask")
+POOLINGS = ("mean", "cls", "pooler", "mask", "last")
 
 
 def mask_positions(input_ids: Tensor, mask_token_id: int) -> Tensor:
@@ -54,6 +55,23 @@ def mask_positions(input_ids: Tensor, mask_token_id: int) -> Tensor:
     return is_mask.to(torch.int8).argmax(1)
 
 
+def last_positions(attention_mask: Tensor) -> Tensor:
+    """(B,) position of each row's last token; an error names rows not padded on the right
+    (or empty), where that token would not be the text's last."""
+    lengths = attention_mask.sum(1)  # (B,)
+    width = attention_mask.shape[1]
+    right_padded = attention_mask.bool() == (
+        torch.arange(width, device=lengths.device) < lengths.unsqueeze(1)
+    )
+    bad = ((~right_padded.all(1)) | (lengths == 0)).nonzero().flatten()
+    if len(bad):
+        raise ValueError(
+            f"input rows {bad[:5].tolist()} are not padded on the right (or are empty): "
+            "pooling='last' reads the state of each row's last token"
+        )
+    return lengths - 1
+
+
 class PooledEncoder(nn.Module):
     """A Hugging Face encoder and a pooling: a batch dict in, one vector per text out.
 
@@ -64,7 +82,9 @@ class PooledEncoder(nn.Module):
         pooling: ``mean`` (average of the non-padding token states, the pooling
             sentence-transformers trained all-MiniLM-L6-v2 with), ``cls`` (the
             first token's state), ``pooler`` (the model's pooler output) or
-            ``mask`` (the state at the [MASK] token, for text infilling).
+            ``mask`` (the state at the [MASK] token, for text infilling) or
+            ``last`` (the state at the last non-padding token: for a causal LM, the
+            only one that has read the whole text; needs right padding).
         mask_token_id: the tokenizer's [MASK] id (needed for ``pooling="mask"``).
     """
 
@@ -98,9 +118,11 @@ class PooledEncoder(nn.Module):
         states = out.last_hidden_state  # (B, T, k)
         if self.pooling == "cls":
             return states[:, 0]
+        rows = torch.arange(len(ids), device=ids.device)
         if self.pooling == "mask":
-            rows = torch.arange(len(ids), device=ids.device)
             return states[rows, mask_positions(ids, self.mask_token_id)]
+        if self.pooling == "last":
+            return states[rows, last_positions(attention)]
         weights = attention.to(states.dtype).unsqueeze(-1)  # (B, T, 1)
         # clamp: a row of only padding (not produced by our tokenization) would divide by 0
         return (states * weights).sum(1) / weights.sum(1).clamp_min(1.0)

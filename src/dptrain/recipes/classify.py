@@ -84,8 +84,10 @@ from dptrain.config import save_config
 from dptrain.data.text_classification import TextClassificationData
 from dptrain.distributed import make_private_distributed
 from dptrain.dpfp import DPForwardLayer, DPFPTrainer
+from dptrain.models.pretrained import SMOLLM2
 from dptrain.models.text_classifier import LabelWordHead, PooledEncoder, TextClassifier
 from dptrain.privacy_engine import make_private
+from dptrain.recipes._causal_lm import LLAMA_PROJECTIONS, add_lora, load_causal_lm, stop_and_pad_ids
 from dptrain.recipes._common import (
     DELTA_RULES,
     attach_audit_canaries,
@@ -153,6 +155,19 @@ _SCOPES = {
 }
 
 
+def _is_causal(encoder: str) -> bool:
+    """From the name or the folder's config.json: is ``encoder`` a causal LM?"""
+    if encoder == SMOLLM2:
+        return True
+    config = Path(encoder) / "config.json"
+    if encoder == "minilm" or not config.is_file():
+        return False  # a missing folder is refused, by name, when it is loaded
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    return bool(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()).intersection(architectures))
+
+
 @dataclass
 class ClassifyTrainConfig:
     """Settings of one run; every field can be set in YAML or as ``key=value``.
@@ -178,11 +193,16 @@ class ClassifyTrainConfig:
     """Fixes the train/dev/test split and the training subset (the same for every method)."""
     # encoder
     encoder: str = "minilm"
-    """``minilm`` (the packaged all-MiniLM-L6-v2) or a local Hugging Face model folder."""
-    pooling: str = "mean"
+    """``minilm`` (the packaged all-MiniLM-L6-v2), ``smollm2-135m-instruct`` (the packaged
+    causal LM) or a local Hugging Face model folder (an encoder or a causal LM)."""
+    pooling: str | None = None
+    """``mean``, ``cls``, ``pooler`` or ``last`` (the last token's state); unset: ``mean``
+    for an encoder, ``last`` for a causal LM (whose last state has read the whole text)."""
     objective: str = "linear"
-    prompt: str = "It was [MASK]."
-    """Text-infilling prompt appended to every text; ``[MASK]`` is the tokenizer's mask."""
+    prompt: str | None = None
+    """Text-infilling prompt appended to every text, ``[MASK]`` where the label word goes;
+    unset: ``It was [MASK].`` (masked LM) or ``It was [MASK]`` (causal LM: the label word
+    is the next token, so ``[MASK]`` must end the prompt)."""
     label_words: list[str] | None = None
     """One vocabulary word per class for text infilling (default for the packaged data)."""
     max_length: int = 128
@@ -198,6 +218,12 @@ class ClassifyTrainConfig:
     micro_batches: int = 32
     """M, DP-FP only."""
     clipping_mode: str = "book_keeping"
+    lora_r: int | None = None
+    """Train LoRA adapters of this rank (and the head) instead of the whole encoder
+    (fine-tuning methods); unset: full fine-tuning."""
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = LLAMA_PROJECTIONS
+    """Linear modules that get adapters (default: a Llama block's seven projections)."""
     # optimisation
     epochs: int = 3
     batch_size: int | None = None
@@ -229,15 +255,34 @@ class ClassifyTrainConfig:
         check_choice("objective", self.objective, _OBJECTIVES)
         check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
         check_choice("clipping_mode", self.clipping_mode, ("book_keeping", "ghost"))
+        causal = _is_causal(self.encoder)
         if self.objective == "linear":
-            check_choice("pooling", self.pooling, ("mean", "cls", "pooler"))
-        elif self.pooling != "mean":  # infilling reads the [MASK] state: no pooling choice
+            if self.pooling is None:
+                self.pooling = "last" if causal else "mean"
+            check_choice("pooling", self.pooling, ("mean", "cls", "pooler", "last"))
+        elif self.pooling is not None:  # infilling reads the [MASK] state: no pooling choice
             raise ValueError(
                 f"pooling={self.pooling!r} is not allowed with objective='infilling': the "
                 "representation is the [MASK] token's state (leave pooling unset)"
             )
+        if self.prompt is None:
+            self.prompt = "It was [MASK]" if causal else "It was [MASK]."
         if self.objective == "infilling" and "[MASK]" not in self.prompt:
             raise ValueError(f"prompt={self.prompt!r} is not allowed: expected a '[MASK]' in it")
+        if self.objective == "infilling" and causal and not self.prompt.endswith("[MASK]"):
+            raise ValueError(
+                f"prompt={self.prompt!r} is not allowed with the causal LM "
+                f"encoder={self.encoder!r}: it predicts the label word as the next token, so "
+                "'[MASK]' must end the prompt (e.g. 'It was [MASK]')"
+            )
+        if self.lora_r is not None:
+            check_int("lora_r", self.lora_r, 1)
+            check_positive("lora_alpha", self.lora_alpha)
+            if self.method in _FROZEN or self.method == "dpfp-finetune":
+                raise ValueError(
+                    f"lora_r={self.lora_r} is not allowed with method={self.method!r}: LoRA "
+                    "adapters train the encoder; use method nonprivate or dpsgd"
+                )
         for name in ("max_length", "epochs", "eval_batch_size", "max_physical_batch_size"):
             check_int(name, getattr(self, name), 2 if name == "max_length" else 1)
         check_int("micro_batches", self.micro_batches, 1)
@@ -294,6 +339,12 @@ class ClassifyTrainConfig:
         for name in ("max_norm", "lr", "head_lr"):
             if getattr(self, name) is not None:
                 check_positive(name, getattr(self, name))
+
+    @property
+    def causal(self) -> bool:
+        """Whether the encoder is a causal LM (``smollm2-135m-instruct`` or a folder whose
+        config.json names a causal-LM architecture)."""
+        return _is_causal(self.encoder)
 
     @property
     def private(self) -> bool:
@@ -472,6 +523,18 @@ def _load_model(
             f"pretrained masked-LM head (missing: {missing[:3] or 'cls / lm_head'}); use "
             "objective=linear or an encoder saved with its masked-LM head"
         )
+    words, ids = _label_word_ids(cfg, tokenizer, n_classes, label_names, space="")
+    if tokenizer.mask_token_id is None:
+        raise ValueError(f"encoder={cfg.encoder!r}: the tokenizer has no mask token")
+    pooled = PooledEncoder(mlm.base_model, "mask", tokenizer.mask_token_id)
+    classifier = TextClassifier(pooled, LabelWordHead(head_module, ids))
+    return classifier, {"objective": "infilling", "prompt": cfg.prompt, "label_words": words}
+
+
+def _label_word_ids(
+    cfg: ClassifyTrainConfig, tokenizer: Any, n_classes: int, label_names: list[str], space: str
+) -> tuple[list[str], list[int]]:
+    """One vocabulary id per class for text infilling (``space`` + word must be one token)."""
     words = cfg.label_words if cfg.label_words is not None else _LABEL_WORDS.get(cfg.data)
     if words is None:
         raise ValueError(
@@ -485,24 +548,94 @@ def _load_model(
         )
     ids = []
     for word in words:
-        pieces = tokenizer.tokenize(word)
+        pieces = tokenizer.tokenize(space + word)
         if len(pieces) != 1 or tokenizer.convert_tokens_to_ids(pieces[0]) == tokenizer.unk_token_id:
             raise ValueError(
                 f"label_words entry {word!r} is not allowed: it is not one token of the "
                 f"vocabulary (tokenized as {pieces})"
             )
         ids.append(tokenizer.convert_tokens_to_ids(pieces[0]))
-    if tokenizer.mask_token_id is None:
-        raise ValueError(f"encoder={cfg.encoder!r}: the tokenizer has no mask token")
-    pooled = PooledEncoder(mlm.base_model, "mask", tokenizer.mask_token_id)
-    classifier = TextClassifier(pooled, LabelWordHead(head_module, ids))
+    return list(words), ids
+
+
+def _causal_classifier(
+    cfg: ClassifyTrainConfig, lm: nn.Module, tokenizer: Any, n_classes: int, label_names: list
+) -> tuple[TextClassifier, dict[str, Any]]:
+    """A causal LM as a classifier: the last token's state, and a fresh linear head or the
+    LM head's logits of the label words (the next token after the prompt: Li et al.'s
+    aligned objective for a causal LM)."""
+    body = lm.base_model  # the decoder stack without the LM head (LlamaModel for Llama)
+    if cfg.objective == "linear":
+        torch.manual_seed(cfg.seed)
+        head = nn.Linear(int(lm.config.hidden_size), n_classes)
+        pooled = PooledEncoder(body, cfg.pooling)
+        return TextClassifier(pooled, head), {"objective": "linear", "pooling": cfg.pooling}
+    # byte-level BPE writes a word after a space as one token with the space in it
+    words, ids = _label_word_ids(cfg, tokenizer, n_classes, label_names, space=" ")
+    pooled = PooledEncoder(body, "last")
+    classifier = TextClassifier(pooled, LabelWordHead(lm.get_output_embeddings(), ids))
     return classifier, {"objective": "infilling", "prompt": cfg.prompt, "label_words": words}
+
+
+def _setup_model(
+    cfg: ClassifyTrainConfig, data: TextClassificationData
+) -> tuple[TextClassifier, dict[str, Any], Any, str]:
+    """The classifier, its objective's description, the tokenizer (with a pad id) and
+    what identifies the encoder's weights (for the feature cache)."""
+    if cfg.causal:
+        lm, tokenizer = load_causal_lm(
+            cfg.encoder, num_layers=None, max_length=cfg.max_length, setting="encoder"
+        )
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token_id = stop_and_pad_ids(lm, tokenizer)[1]
+        if cfg.lora_r is not None:
+            add_lora(lm, r=cfg.lora_r, alpha=cfg.lora_alpha, targets=cfg.lora_targets)
+        classifier, objective = _causal_classifier(
+            cfg, lm, tokenizer, data.n_classes, data.label_names
+        )
+        key = cfg.encoder if cfg.encoder == SMOLLM2 else str(Path(cfg.encoder).resolve())
+    else:
+        folder = _encoder_folder(cfg)
+        tokenizer = _load_tokenizer(cfg, folder)
+        classifier, objective = _load_model(
+            cfg, folder, tokenizer, data.n_classes, data.label_names
+        )
+        if cfg.lora_r is not None:  # peft injects the adapters in place
+            add_lora(
+                classifier.encoder.encoder,
+                r=cfg.lora_r,
+                alpha=cfg.lora_alpha,
+                targets=cfg.lora_targets,
+            )
+        key = str(folder.resolve())
+    if cfg.lora_r is not None:
+        objective["lora"] = {
+            "r": cfg.lora_r,
+            "alpha": cfg.lora_alpha,
+            "targets": list(cfg.lora_targets),
+        }
+        classifier.head.requires_grad_(True)  # peft froze everything but the adapters
+        if isinstance(classifier.head, LabelWordHead):  # the tied LM head stays frozen
+            classifier.head.requires_grad_(False)
+    return classifier, objective, tokenizer, key
 
 
 def _tokenize(cfg: ClassifyTrainConfig, tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Token ids per text: [CLS] text [SEP], or [CLS] text prompt [SEP] with the prompt kept whole."""
     if cfg.objective == "linear":
         return tokenizer(texts, truncation=True, max_length=cfg.max_length)["input_ids"]
+    if cfg.causal:  # text, then the prompt up to [MASK]: the next token is the label word
+        prompt_ids = tokenizer(
+            " " + cfg.prompt[: -len("[MASK]")].rstrip(), add_special_tokens=False
+        )["input_ids"]
+        budget = cfg.max_length - len(prompt_ids)
+        if budget < 2:
+            raise ValueError(
+                f"max_length={cfg.max_length} is not allowed: the prompt alone takes "
+                f"{len(prompt_ids)} tokens"
+            )
+        body = tokenizer(texts, truncation=True, max_length=budget)["input_ids"]
+        return [[*ids, *prompt_ids] for ids in body]
     prompt = cfg.prompt.replace("[MASK]", tokenizer.mask_token)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     budget = cfg.max_length - len(prompt_ids) - 2
@@ -622,12 +755,10 @@ def frozen_encoder_features(
     probes, :mod:`dptrain.recipes.audit_mia`) call this.
     """
     data = load_classification_data(cfg)
-    folder = _encoder_folder(cfg)
-    tokenizer = _load_tokenizer(cfg, folder)
-    classifier, _ = _load_model(cfg, folder, tokenizer, data.n_classes, data.label_names)
+    classifier, _, tokenizer, key = _setup_model(cfg, data)
     classifier.encoder.requires_grad_(False)
     splits = _tokenized_splits(cfg, tokenizer, data)
-    return data, _frozen_features(cfg, folder, classifier.encoder, splits)
+    return data, _frozen_features(cfg, key, classifier.encoder, splits)
 
 
 @torch.no_grad()
@@ -642,7 +773,7 @@ def _represent(encoder: PooledEncoder, data: _TokenizedTexts, batch_size: int) -
 
 def _frozen_features(
     cfg: ClassifyTrainConfig,
-    folder: Path,
+    encoder_key: str,
     encoder: PooledEncoder,
     splits: dict[str, Any],
     write: bool = True,
@@ -654,7 +785,7 @@ def _frozen_features(
     key = None
     if cfg.feature_cache is not None:
         digest = hashlib.sha256()
-        for part in (str(folder.resolve()), cfg.objective, cfg.pooling, cfg.prompt, cfg.max_length):
+        for part in (encoder_key, cfg.objective, cfg.pooling, cfg.prompt, cfg.max_length):
             digest.update(repr(part).encode())
         for name in ("train", "dev", "test"):
             digest.update(json.dumps(splits[name].ids).encode())
@@ -694,9 +825,9 @@ def _accuracy_of(model: nn.Module, data: Any, labels: Tensor, batch_size: int) -
 def _param_groups(classifier: TextClassifier, cfg: ClassifyTrainConfig) -> list[dict[str, Any]]:
     """Encoder at ``lr``, head at ``head_lr``; a weight shared by both (text infilling's
     decoder, tied to the word embeddings) is the encoder's."""
-    encoder = list(classifier.encoder.parameters())
-    shared = {id(p) for p in encoder}
-    head = [p for p in classifier.head.parameters() if id(p) not in shared]
+    encoder = [p for p in classifier.encoder.parameters() if p.requires_grad]
+    shared = {id(p) for p in classifier.encoder.parameters()}
+    head = [p for p in classifier.head.parameters() if id(p) not in shared and p.requires_grad]
     return [{"params": encoder, "lr": cfg.lr}, {"params": head, "lr": cfg.head_lr}]
 
 
@@ -749,9 +880,7 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
     torch.manual_seed(cfg.seed)
     # -- setup (nothing written until it has all passed) --
     data = load_classification_data(cfg)
-    folder = _encoder_folder(cfg)
-    tokenizer = _load_tokenizer(cfg, folder)
-    classifier, objective = _load_model(cfg, folder, tokenizer, data.n_classes, data.label_names)
+    classifier, objective, tokenizer, encoder_key = _setup_model(cfg, data)
     splits = _tokenized_splits(cfg, tokenizer, data)
     plan = _plan(cfg, data.n_train)
     out = Path(cfg.out)
@@ -763,7 +892,7 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
 
     t_train = time.perf_counter()
     history, best, trainable, scope_detail, canaries = _train(
-        cfg, plan, classifier, splits, folder, ledger, run
+        cfg, plan, classifier, splits, encoder_key, ledger, run
     )
     # training steps only: without the frozen encoder's pass and the dev evaluations
     train_time = time.perf_counter() - t_train - best["feature_time_s"] - best["eval_time_s"]
@@ -835,7 +964,7 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
     return results
 
 
-def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, ledger, run: Launch):
+def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, encoder_key: str, ledger, run):
     """The method's training loop; returns history, best state, trainable module, scope text
     and the audit's canaries (None without ``audit=true``)."""
     frozen = cfg.method in _FROZEN
@@ -843,7 +972,7 @@ def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, folder: Path, l
     if frozen:
         classifier.encoder.requires_grad_(False)
         t_features = time.perf_counter()
-        feats = _frozen_features(cfg, folder, classifier.encoder, splits, write=run.is_main)
+        feats = _frozen_features(cfg, encoder_key, classifier.encoder, splits, write=run.is_main)
         feature_time = time.perf_counter() - t_features
         train_set = torch.utils.data.TensorDataset(feats["train"], splits["train"].labels)
         trainable: nn.Module = head

@@ -496,6 +496,7 @@ def _load_model(
     import transformers
 
     transformers.logging.set_verbosity_error()  # "newly initialized" warnings are checked below
+    transformers.logging.disable_progress_bar()  # one bar per run: the training one
     if cfg.objective == "linear":
         encoder, info = transformers.AutoModel.from_pretrained(
             str(folder), local_files_only=True, output_loading_info=True

@@ -148,12 +148,16 @@ def guarantee(result: dict[str, Any]) -> str:
     )
 
 
+def _encoder_name(result: dict[str, Any]) -> str:
+    return "all-MiniLM-L6-v2" if result["encoder"] == "minilm" else Path(result["encoder"]).name
+
+
 def _table(summary: dict[str, Any]) -> str:
     base = summary["majority_class"]
     runs = summary["runs"]
     first = runs[0]
     lines = [
-        f"# Private sentiment classifier: Rotten Tomatoes, frozen {first['encoder']} + "
+        f"# Private sentiment classifier: {first['data']}, frozen {_encoder_name(first)} + "
         "linear probe",
         "",
         f"{first['n_train']:,} training reviews, test accuracy on {first['n_test']:,} held-out "
@@ -189,6 +193,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     runs = summary["runs"]
     private = sorted(
@@ -208,9 +213,10 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     ax.axhline(base["accuracy"], color="tab:red", ls=":", lw=1.5, label="no training (majority)")
     ax.set_xscale("log")
     ax.set_xticks([r["epsilon"] for r in private], [f"{r['epsilon']:.2g}" for r in private])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("epsilon spent (PLD, log scale)")
     ax.set_ylabel("test accuracy")
-    ax.set_title("Rotten Tomatoes sentiment, frozen MiniLM + linear probe")
+    ax.set_title(f"{runs[0]['data']}: frozen {_encoder_name(runs[0])} + linear probe")
     ax.grid(alpha=0.3)
     ax.legend(loc="center right")
     fig.tight_layout()

@@ -12,16 +12,16 @@ Stages (each a command; ``--out`` holds everything):
    ``" <review>"`` (labels written as words the pretrained model knows).
 2. for each of non-private, epsilon 8, epsilon 3 (``run_models.sh`` written by
    ``prepare``): ``dptrain train lm`` (LoRA, the same steps and batches for all) then
-   ``dptrain generate n=2000`` with the labels in turn. The synthetic records are
+   ``dptrain generate n=1000`` with the labels in turn. The synthetic records are
    DP by post-processing: the classifier trained on them adds no privacy cost.
 3. ``evaluate``: the linear probe of ``train classify`` (frozen MiniLM, mean pooled)
    trained non-privately (``nonprivate-head``) on each synthetic set and tested on
    the real test split (``test_data=rotten-tomatoes``); references on the real
-   data: the same probe non-private on all 10,246 reviews and on a 2,000-review
+   data: the same probe non-private on all 10,246 reviews and on a 1,000-review
    subset (the synthetic sets' size), and the DP probe (``dpsgd-head``, DP-Adam) on
    all real reviews at epsilon 8 and 3. Distribution: MAUVE (Pillutla et al.,
-   NeurIPS 2021, ``mauve-text``) between the MiniLM embeddings of 1,281 synthetic
-   reviews and of the 1,281 real test reviews, with a real-vs-real reference (1,281
+   NeurIPS 2021, ``mauve-text``) between the MiniLM embeddings of the synthetic
+   reviews and of as many real test reviews, with a real-vs-real reference (real
    training reviews against the same test reviews). Writes ``table.md``,
    ``results.json`` and ``synthetic_utility.png``.
 
@@ -50,9 +50,13 @@ TRAIN_LM = (
     "max_physical_batch_size=16 valid_fraction=0.05 eval_every=40 max_eval_examples=128 "
     "eval_batch_size=32 seed=0"
 )
+#: 1,000 records per model, not the issue's 2,000: sampling ran at 1-3 records/s on
+#: 2 cores, and three models' worth of 2,000 did not fit the session (n=2000 is the
+#: only change needed).
+N_SYNTHETIC = 1000
 GENERATE = (
-    "n=2000 'prompt=Review ({label}):' labels=negative,positive max_new_tokens=64 "
-    "batch_size=64 top_p=0.95 seed=0"
+    f"n={N_SYNTHETIC} 'prompt=Review ({{label}}):' labels=negative,positive max_new_tokens=48 "
+    "batch_size=100 top_p=0.95 seed=0"
 )
 
 
@@ -128,7 +132,10 @@ def evaluate(out: Path, threads: int) -> None:
 
     real = {"data": "rotten-tomatoes"}
     run("real-all", "real, 10,246 reviews", "none", method="nonprivate-head", **real)
-    run("real-2000", "real, 2,000 reviews", "none", method="nonprivate-head", train_size=2000)
+    size = sum(1 for _ in (out / SOURCES[0] / "gen" / "synthetic.jsonl").open())
+    run(
+        f"real-{size}", f"real, {size:,} reviews", "none", method="nonprivate-head", train_size=size
+    )
     for eps in (8.0, 3.0):
         run(
             f"real-dp-eps{eps:g}",
@@ -155,7 +162,7 @@ def evaluate(out: Path, threads: int) -> None:
         )
         path = _classify_file(source_dir)
         synth = {"data": str(path), "test_data": "rotten-tomatoes", "method": "nonprivate-head"}
-        run(f"synthetic-{source}", f"synthetic, 2,000 ({source})", privacy, **synth)
+        run(f"synthetic-{source}", f"synthetic, {size:,} ({source})", privacy, **synth)
         feats = frozen_encoder_features(ClassifyTrainConfig(**common, **synth))[1]
         synthetic = torch.cat([feats["train"], feats["dev"]]).numpy()
         mauve_scores[f"synthetic {source} vs real test"] = _mauve(
@@ -235,17 +242,26 @@ def _plot(results: dict, path: Path) -> None:
     real_vals = [acc[g[1]] for g in groups]
     synth_vals = [acc[g[2]] for g in groups]
     axes[0].bar(x - 0.2, real_vals, 0.4, label="trained on real reviews (DP-Adam when private)")
-    axes[0].bar(x + 0.2, synth_vals, 0.4, label="trained on 2,000 synthetic reviews")
+    axes[0].bar(x + 0.2, synth_vals, 0.4, label="trained on the synthetic reviews only")
     for xs, vals in ((x - 0.2, real_vals), (x + 0.2, synth_vals)):
         for xi, v in zip(xs, vals, strict=True):
             axes[0].text(xi, v + 0.005, f"{v:.3f}", ha="center", fontsize=8)
+    subset = next(
+        r
+        for r in results["classifiers"]
+        if r["name"].startswith("real-") and r["name"][5:].isdigit()
+    )
     axes[0].axhline(
-        acc["real-2000"], color="k", ls="--", lw=1, label="real, 2,000 reviews, non-private"
+        subset["accuracy"],
+        color="k",
+        ls="--",
+        lw=1,
+        label=f"real, {subset['n_train']:,} reviews, non-private",
     )
     axes[0].set_xticks(x, [g[0] for g in groups])
-    axes[0].set_ylim(0.45, 0.85)
+    axes[0].set_ylim(0.45, 0.97)
     axes[0].set_ylabel("test accuracy (real test reviews)")
-    axes[0].legend(fontsize=7, loc="lower left")
+    axes[0].legend(fontsize=7, loc="upper left")
     axes[0].set_title("Sentiment probe: real vs DP synthetic training data")
     names = list(mauve)
     axes[1].barh(range(len(names)), [mauve[n] for n in names], color="tab:green")

@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("recipe", choices=list(_TRAIN_RECIPES))
     p.add_argument(
-        "--method", help="classify only: nonprivate, dpsgd, dpsgd-head, dpfp or dpfp-finetune"
+        "--method",
+        help="classify only: nonprivate, nonprivate-head, dpsgd, dpsgd-head, dpfp or dpfp-finetune",
     )
     p.add_argument(
         "--accountant",

@@ -44,16 +44,22 @@ import numpy as np
 
 LABEL_WORDS = ("negative", "positive")  # prompt words for label 0 (rotten), 1 (fresh)
 CLASS_NAMES = ("rotten", "fresh")  # train classify's names for Rotten Tomatoes labels
-SOURCES = ("nonprivate", "eps8", "eps3")
+#: 1,000 records per model, not the issue's 2,000: sampling ran at 1-3 records/s on
+#: 2 cores, and three models' worth of 2,000 did not fit the session (n=2000 is the
+#: only change needed).
+N_SYNTHETIC = 1000
+SOURCES = ("nonprivate", "eps8", "eps3")  # fine-tuned on the real reviews
+#: The public model prompted, no fine-tuning: what synthetic data costs nothing private.
+PUBLIC_GENERATE = (
+    f"model=smollm2-135m-instruct chat=true n={N_SYNTHETIC} "
+    "'prompt=Write a one-sentence {label} movie review.' labels=negative,positive "
+    "max_new_tokens=48 batch_size=100 top_p=0.95 seed=0"
+)
 TRAIN_LM = (
     "lora_r=8 lr=2e-3 batch_size=64 steps=40 max_length=64 max_grad_norm=0.1 "
     "max_physical_batch_size=16 valid_fraction=0.05 eval_every=40 max_eval_examples=128 "
     "eval_batch_size=32 seed=0"
 )
-#: 1,000 records per model, not the issue's 2,000: sampling ran at 1-3 records/s on
-#: 2 cores, and three models' worth of 2,000 did not fit the session (n=2000 is the
-#: only change needed).
-N_SYNTHETIC = 1000
 GENERATE = (
     f"n={N_SYNTHETIC} 'prompt=Review ({{label}}):' labels=negative,positive max_new_tokens=48 "
     "batch_size=100 top_p=0.95 seed=0"
@@ -79,6 +85,7 @@ def prepare(out: Path) -> None:
             f"dptrain train lm data={out}/data/rt_train.jsonl {TRAIN_LM} {privacy} out={run}",
             f"dptrain generate model={run}/model {GENERATE} out={run}/gen",
         ]
+    lines.append(f"dptrain generate {PUBLIC_GENERATE} out={out}/public/gen")
     (out / "run_models.sh").write_text("\n".join(lines) + "\n")
     print(
         f"{data.n_train} training reviews -> {out}/data/rt_train.jsonl; next: {out}/run_models.sh"
@@ -152,14 +159,19 @@ def evaluate(out: Path, threads: int) -> None:
     mauve_scores = {
         "real train vs real test": _mauve(real_feats["train"].numpy(), real_feats["test"].numpy())
     }
-    for source in SOURCES:
+    for source in (*SOURCES, "public"):
         source_dir = out / source
-        model_eps = json.loads((source_dir / "results.json").read_text())["epsilon"]
-        privacy = (
-            "none"
-            if source == "nonprivate"
-            else (f"synthetic from a DP model, epsilon {model_eps:.2f} (post-processing)")
-        )
+        if source == "public":
+            model_eps, privacy = 0.0, "public model prompted, no private data (epsilon 0)"
+            train_results = {}
+        else:
+            train_results = json.loads((source_dir / "results.json").read_text())
+            model_eps = train_results["epsilon"]
+            privacy = (
+                "none"
+                if source == "nonprivate"
+                else f"synthetic from a DP model, epsilon {model_eps:.2f} (post-processing)"
+            )
         path = _classify_file(source_dir)
         synth = {"data": str(path), "test_data": "rotten-tomatoes", "method": "nonprivate-head"}
         run(f"synthetic-{source}", f"synthetic, {size:,} ({source})", privacy, **synth)
@@ -169,7 +181,6 @@ def evaluate(out: Path, threads: int) -> None:
             synthetic, real_feats["test"].numpy()
         )
         report = json.loads((source_dir / "gen" / "report.json").read_text())
-        train_results = json.loads((source_dir / "results.json").read_text())
         generation[source] = {
             "lm_epsilon": model_eps,
             "lm_delta": train_results.get("delta"),
@@ -257,6 +268,13 @@ def _plot(results: dict, path: Path) -> None:
         ls="--",
         lw=1,
         label=f"real, {subset['n_train']:,} reviews, non-private",
+    )
+    axes[0].axhline(
+        acc["synthetic-public"],
+        color="tab:purple",
+        ls=":",
+        lw=1.5,
+        label="synthetic from the public model, prompted (epsilon 0)",
     )
     axes[0].set_xticks(x, [g[0] for g in groups])
     axes[0].set_ylim(0.45, 0.97)

@@ -149,3 +149,21 @@ def test_a_model_without_privacy_record_is_refused(tmp_path):
         GenerateConfig()
     with pytest.raises(ValueError, match="no such folder"):
         GenerateConfig(model=str(tmp_path / "absent"))
+
+
+def test_the_public_packaged_model_generates_with_epsilon_zero(trained, tmp_path, monkeypatch):
+    # the packaged SmolLM2 stands in as the tiny base: what is checked is the guarantee,
+    # which must say no private data was read, not the model's text
+    from dptrain.models.pretrained import SMOLLM2, load_pretrained_lm
+    from dptrain.recipes import generate
+
+    tiny = trained["full"].parent.parent / "tiny"
+    monkeypatch.setattr(generate, "load_pretrained_lm", lambda name: load_pretrained_lm(tiny))
+    report = run_generate(_cfg(SMOLLM2, tmp_path))
+    assert report["epsilon"] == 0.0 and report["delta"] == 0.0
+    assert report["guarantee"].startswith(f"no private data: the public pretrained model {SMOLLM2}")
+    lines = (tmp_path / "gen" / "synthetic.jsonl").read_text().splitlines()
+    assert [json.loads(x)["label"] for x in lines] == ["good", "bad", "good", "bad", "good"]
+    # any other folder without privacy.json is still refused
+    with pytest.raises(ValueError, match=r"has no privacy\.json"):
+        GenerateConfig(model=str(tiny))

@@ -20,6 +20,10 @@
    record: the columns ``train classify`` reads) and ``report.json``: the
    guarantee, the model's privacy record, the settings, tokens/s.
 
+``model=smollm2-135m-instruct`` samples the packaged public model as it is
+(e.g. with ``chat=true`` and an instruction as the prompt): the reference a DP
+fine-tune has to beat, at epsilon 0 since it reads no private record.
+
 The guarantee carries over by post-processing (Dwork & Roth 2014, Prop. 2.1):
 generation reads the released weights and nothing of the training data, so the
 synthetic records are (epsilon, delta)-DP for the model's training data at the
@@ -42,6 +46,7 @@ from tqdm.auto import tqdm
 
 from dptrain._checks import check_int, check_positive
 from dptrain.config import save_config
+from dptrain.models.pretrained import SMOLLM2, load_pretrained_lm
 from dptrain.recipes._causal_lm import stop_and_pad_ids
 
 __all__ = ["GenerateConfig", "generate_records", "load_generator", "run_generate"]
@@ -53,7 +58,8 @@ class GenerateConfig:
 
     model: str | None = None
     """A model folder written by ``dptrain train lm`` (``<run>/model``: full weights or
-    a LoRA adapter, with ``privacy.json``). Required."""
+    a LoRA adapter, with ``privacy.json``), or ``smollm2-135m-instruct``: the packaged
+    public model as it is (a reference that reads no private data). Required."""
     n: int = 100
     """Records to generate."""
     prompt: str = ""
@@ -81,9 +87,11 @@ class GenerateConfig:
         if self.model is None:
             raise ValueError("model is required: a model folder written by `dptrain train lm`")
         folder = Path(self.model).expanduser()
-        if not folder.is_dir():
+        if self.model == SMOLLM2:
+            pass  # the public pretrained model: nothing private to account for
+        elif not folder.is_dir():
             raise ValueError(f"model={self.model!r} is not allowed: no such folder")
-        if not (folder / "privacy.json").is_file():
+        elif not (folder / "privacy.json").is_file():
             raise ValueError(
                 f"model={self.model!r} is not allowed: it has no privacy.json, so the "
                 "guarantee of what it generates is unknown; expected a model folder written "
@@ -115,8 +123,9 @@ def load_generator(folder: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     """(model in eval mode, tokenizer, privacy record) of a ``dptrain train lm`` model folder."""
     from transformers import AutoTokenizer
 
-    from dptrain.models.pretrained import load_pretrained_lm
-
+    if str(folder) == SMOLLM2:
+        model, tokenizer = load_pretrained_lm(SMOLLM2)
+        return model.eval(), tokenizer, {"private": False, "public_model": SMOLLM2}
     folder = Path(folder).expanduser()
     privacy = json.loads((folder / "privacy.json").read_text())
     if (folder / "adapter_config.json").is_file():
@@ -204,6 +213,11 @@ def generate_records(model: Any, tokenizer: Any, cfg: GenerateConfig) -> list[di
 
 
 def _guarantee(privacy: dict[str, Any]) -> str:
+    if privacy.get("public_model"):
+        return (
+            f"no private data: the public pretrained model {privacy['public_model']} as it is; "
+            "its records depend on none of your records (epsilon 0 for them)"
+        )
     if not privacy.get("private"):
         return "none: the model was trained without differential privacy"
     return (
@@ -234,8 +248,14 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
         "labels": list(cfg.labels),
         "empty_records": sum(not r["text"] for r in records),
         "guarantee": _guarantee(privacy),
-        "epsilon": privacy.get("epsilon") if privacy.get("private") else math.inf,
-        "delta": privacy.get("delta"),
+        "epsilon": (
+            0.0
+            if privacy.get("public_model")
+            else privacy.get("epsilon")
+            if privacy.get("private")
+            else math.inf
+        ),
+        "delta": 0.0 if privacy.get("public_model") else privacy.get("delta"),
         "privacy_unit": privacy.get("privacy_unit"),
         "not_covered": [
             *privacy.get("not_covered", []),

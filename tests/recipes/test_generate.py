@@ -167,3 +167,19 @@ def test_the_public_packaged_model_generates_with_epsilon_zero(trained, tmp_path
     # any other folder without privacy.json is still refused
     with pytest.raises(ValueError, match=r"has no privacy\.json"):
         GenerateConfig(model=str(tiny))
+
+
+def test_chat_prompt_is_the_rendered_user_turn_with_the_assistant_turn_opened(trained, tmp_path):
+    from dptrain.recipes.generate import _prompt_ids
+    from tests.lm_helpers import CHAT_TEMPLATE
+
+    model, tokenizer, _ = load_generator(trained["full"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = _prompt_ids(tokenizer, "Write a good review.", chat=True)
+    assert all(isinstance(i, int) for i in ids)
+    want = "<s><|user|>\nWrite a good review.<|end|>\n<|assistant|>\n"
+    assert tokenizer.decode(ids) == want
+    assert ids == tokenizer(want, add_special_tokens=False)["input_ids"]
+    cfg = _cfg(trained["full"], tmp_path, chat=True, prompt="Write a {label} review.")
+    records = generate_records(model, tokenizer, cfg)
+    assert [r["label"] for r in records] == ["good", "bad", "good", "bad", "good"]

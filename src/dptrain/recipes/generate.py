@@ -158,10 +158,13 @@ def _prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
         return prompt_ids(tokenizer, prompt)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat=true is not allowed: the model's tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    # Rendered as text, then tokenized without added special tokens: how `train lm`
+    # tokenizes chat records (dptrain.data.lm_records), so the model sees the same ids.
+    # (tokenize=True returns a BatchEncoding in transformers 5, not a list of ids.)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @torch.no_grad()

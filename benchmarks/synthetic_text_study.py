@@ -152,9 +152,17 @@ def evaluate(out: Path, threads: int) -> None:
             epsilon=eps,
             **real,
         )
-    real_feats = frozen_encoder_features(
+    real_data, real_feats = frozen_encoder_features(
         ClassifyTrainConfig(**common, method="nonprivate-head", **real)
-    )[1]
+    )
+    # Label fidelity: how often a probe trained on the real reviews agrees with the label a
+    # synthetic review was generated for (sklearn's logistic regression: a fixed, well-kept
+    # reference classifier, independent of the probe's training loop).
+    from sklearn.linear_model import LogisticRegression
+
+    judge = LogisticRegression(max_iter=2000).fit(
+        real_feats["train"].numpy(), real_data.train_labels.numpy()
+    )
     generation: dict[str, dict] = {}
     mauve_scores = {
         "real train vs real test": _mauve(real_feats["train"].numpy(), real_feats["test"].numpy())
@@ -175,8 +183,12 @@ def evaluate(out: Path, threads: int) -> None:
         path = _classify_file(source_dir)
         synth = {"data": str(path), "test_data": "rotten-tomatoes", "method": "nonprivate-head"}
         run(f"synthetic-{source}", f"synthetic, {size:,} ({source})", privacy, **synth)
-        feats = frozen_encoder_features(ClassifyTrainConfig(**common, **synth))[1]
+        data, feats = frozen_encoder_features(ClassifyTrainConfig(**common, **synth))
         synthetic = torch.cat([feats["train"], feats["dev"]]).numpy()
+        # the synthetic file's label order is its own: map to the real data's by name
+        to_real = torch.tensor([real_data.label_names.index(n) for n in data.label_names])
+        synthetic_labels = to_real[torch.cat([data.train_labels, data.dev_labels])].numpy()
+        agreement = float((judge.predict(synthetic) == synthetic_labels).mean())
         mauve_scores[f"synthetic {source} vs real test"] = _mauve(
             synthetic, real_feats["test"].numpy()
         )
@@ -189,6 +201,7 @@ def evaluate(out: Path, threads: int) -> None:
             "lm_valid_perplexity": train_results.get("valid_perplexity"),
             "lm_initial_valid_perplexity": train_results.get("initial_valid_perplexity"),
             "generate": {k: report.get(k) for k in ("tokens_per_s", "wall_time_s", "n")},
+            "label_agreement_with_real_probe": agreement,
         }
     results = {
         "classifiers": [
@@ -232,6 +245,15 @@ def _table(results: dict) -> str:
         "| --- | ---: |",
     ]
     lines += [f"| {k} | {v:.3f} |" for k, v in results["mauve"].items()]
+    lines += [
+        "",
+        "| synthetic set | labels a real-data probe agrees with |",
+        "| --- | ---: |",
+    ]
+    lines += [
+        f"| {k} | {v['label_agreement_with_real_probe']:.3f} |"
+        for k, v in results["generation"].items()
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -33,7 +33,6 @@ COMMON = {
     "lora_r": 8,
     "lr": 2e-3,
     "batch_size": 64,
-    "max_norm": 0.1,
     "max_length": 64,
     "max_physical_batch_size": 16,
     "eval_batch_size": 32,
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 objective=objective,
                 method=method,
                 epsilon=eps,
-                max_norm=None if eps is None else COMMON["max_norm"],
+                max_norm=None if eps is None else 0.1,
                 out=str(out / tag),
             )
             r = train_classify(cfg)

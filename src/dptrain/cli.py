@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         help="the main job: a private sentiment classifier (DP linear probe on a pretrained "
-        "encoder) against no training and non-private (~4 min)",
+        "encoder) against no training and non-private (~1-3 min)",
     )
     p.add_argument("--out", default="runs/demo", help="run folder")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="settings to change")

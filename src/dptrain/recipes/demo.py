@@ -1,6 +1,6 @@
 """The main demo: a private sentiment classifier that is nearly as good as a non-private one.
 
-``dptrain demo [--out runs/demo] [key=value ...]`` (``make demo``), about 3-5
+``dptrain demo [--out runs/demo] [key=value ...]`` (``make demo``), 1-3
 minutes on 2 CPU cores, on packaged data only:
 
 1. **setup**: the packaged Rotten Tomatoes reviews (10,246 train / 1,281 dev /

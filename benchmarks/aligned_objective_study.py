@@ -38,8 +38,10 @@ COMMON = {
     "eval_batch_size": 32,
     "epochs": 2,
     "save_checkpoint": False,
-    "label_words": ["terrible", "great"],
 }
+#: Li et al.'s label words, by class NAME: ``label_words`` lists one word per class in
+#: the data's label order, and a file's labels are ordered by sorted name (fresh, rotten).
+WORDS = {"rotten": "terrible", "fresh": "great"}
 GRID = [("nonprivate", None), ("dpsgd", 8.0), ("dpsgd", 3.0)]
 
 
@@ -78,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/aligned")
     parser.add_argument("--train-size", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--objectives",
+        default="infilling,linear",
+        help="run these; the others' rows are kept from an earlier results.json in --out",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -87,7 +94,21 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    from dptrain.recipes.classify import load_classification_data
+
     common = {**COMMON, "data": str(_subset(out, args.train_size))}
+    names = load_classification_data(
+        ClassifyTrainConfig(**common, method="nonprivate", out=str(out / "zs"))
+    ).label_names
+    common["label_words"] = [WORDS[name] for name in names]
+    print(f"label words: {dict(zip(names, common['label_words'], strict=True))}", flush=True)
+    wanted = args.objectives.split(",")
+    earlier = out / "results.json"
+    kept = (
+        [r for r in json.loads(earlier.read_text())["runs"] if r["objective"] not in wanted]
+        if earlier.is_file()
+        else []
+    )
     zero = _zero_shot(
         ClassifyTrainConfig(
             **common, objective="infilling", method="nonprivate", out=str(out / "zs")
@@ -96,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"zero-shot (aligned, no training): {zero:.3f}", flush=True)
     rows = []
     for objective in ("infilling", "linear"):
+        if objective not in wanted:
+            rows += [r for r in kept if r["objective"] == objective]
+            continue
         for method, eps in GRID:
             tag = f"{objective}-{'nonprivate' if eps is None else f'eps{eps:g}'}"
             cfg = ClassifyTrainConfig(

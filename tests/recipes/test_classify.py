@@ -256,6 +256,7 @@ def test_infilling_objective(files, tmp_path, method):
     saved = _check_run_folder(out, cfg, train_classify(cfg))
     assert saved["objective"] == "infilling" and saved["label_words"] == LABEL_WORDS
     assert saved["prompt"] == "It was [MASK]."
+    assert saved["label_word_of"] == {"0": "terrible", "1": "great"}  # class name -> word
 
 
 def test_infilling_reads_the_mask_state_through_the_masked_lm_head(files):
@@ -619,6 +620,7 @@ def test_causal_lm_defaults_and_label_word_head_is_the_next_token(files, llama, 
     data = classify.load_classification_data(cfg)
     classifier, objective, tokenizer, _ = classify._setup_model(cfg, data)
     assert objective["lora"]["r"] == 2 and objective["label_words"] == LABEL_WORDS
+    assert objective["label_word_of"] == dict(zip(data.label_names, LABEL_WORDS, strict=True))
     trainable = {n for n, p in classifier.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)  # tied LM head stays frozen
     ids = classify._tokenize(cfg, tokenizer, data.train_texts[:4])

@@ -206,7 +206,9 @@ class ClassifyTrainConfig:
     unset: ``It was [MASK].`` (masked LM) or ``It was [MASK]`` (causal LM: the label word
     is the next token, so ``[MASK]`` must end the prompt)."""
     label_words: list[str] | None = None
-    """One vocabulary word per class for text infilling (default for the packaged data)."""
+    """One vocabulary word per class for text infilling (default for the packaged data),
+    in the order of the data's labels: for a file, labels sorted by name (numerically
+    when all are integers). results.json's ``label_word_of`` shows the mapping."""
     max_length: int = 128
     # method and privacy
     method: str = "dpfp"
@@ -531,7 +533,7 @@ def _load_model(
         raise ValueError(f"encoder={cfg.encoder!r}: the tokenizer has no mask token")
     pooled = PooledEncoder(mlm.base_model, "mask", tokenizer.mask_token_id)
     classifier = TextClassifier(pooled, LabelWordHead(head_module, ids))
-    return classifier, {"objective": "infilling", "prompt": cfg.prompt, "label_words": words}
+    return classifier, _infilling_info(cfg, words, label_names)
 
 
 def _label_word_ids(
@@ -561,6 +563,15 @@ def _label_word_ids(
     return list(words), ids
 
 
+def _infilling_info(cfg: ClassifyTrainConfig, words: list[str], names: list[str]) -> dict:
+    return {
+        "objective": "infilling",
+        "prompt": cfg.prompt,
+        "label_words": list(words),
+        "label_word_of": dict(zip(names, words, strict=True)),
+    }
+
+
 def _causal_classifier(
     cfg: ClassifyTrainConfig, lm: nn.Module, tokenizer: Any, n_classes: int, label_names: list
 ) -> tuple[TextClassifier, dict[str, Any]]:
@@ -577,7 +588,7 @@ def _causal_classifier(
     words, ids = _label_word_ids(cfg, tokenizer, n_classes, label_names, space=" ")
     pooled = PooledEncoder(body, "last")
     classifier = TextClassifier(pooled, LabelWordHead(lm.get_output_embeddings(), ids))
-    return classifier, {"objective": "infilling", "prompt": cfg.prompt, "label_words": words}
+    return classifier, _infilling_info(cfg, words, label_names)
 
 
 def _setup_model(

@@ -21,6 +21,25 @@ from dptrain.models.pretrained import SMOLLM2, load_pretrained_lm
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _causal_architectures() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def _architectures(config: Path) -> list[str]:
+    return json.loads(config.read_text()).get("architectures") or []
+
+
+def is_causal_lm(name: str) -> bool:
+    """Whether ``name`` is the packaged SmolLM2 or a folder whose config.json names a
+    causal-LM architecture (False for anything else, a missing folder included)."""
+    if name == SMOLLM2:
+        return True
+    config = Path(name).expanduser() / "config.json"
+    return config.is_file() and bool(_causal_architectures().intersection(_architectures(config)))
+
+
 def check_model_folder(name: str, setting: str = "model") -> None:
     """Refuse, from its config.json alone, a folder that holds no causal LM."""
     if name == SMOLLM2:
@@ -34,11 +53,8 @@ def check_model_folder(name: str, setting: str = "model") -> None:
         raise ValueError(
             f"{setting}={name!r} is not allowed: it has no config.json; expected {allowed}"
         )
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if architectures and not causal.intersection(architectures):
+    architectures = _architectures(config)
+    if architectures and not _causal_architectures().intersection(architectures):
         raise ValueError(
             f"{setting}={name!r} is not allowed: its config.json names {architectures}, no "
             f"causal language model (e.g. LlamaForCausalLM, GPT2LMHeadModel); expected {allowed}"

@@ -87,7 +87,13 @@ from dptrain.dpfp import DPForwardLayer, DPFPTrainer
 from dptrain.models.pretrained import SMOLLM2
 from dptrain.models.text_classifier import LabelWordHead, PooledEncoder, TextClassifier
 from dptrain.privacy_engine import make_private
-from dptrain.recipes._causal_lm import LLAMA_PROJECTIONS, add_lora, load_causal_lm, stop_and_pad_ids
+from dptrain.recipes._causal_lm import (
+    LLAMA_PROJECTIONS,
+    add_lora,
+    is_causal_lm,
+    load_causal_lm,
+    stop_and_pad_ids,
+)
 from dptrain.recipes._common import (
     DELTA_RULES,
     attach_audit_canaries,
@@ -119,6 +125,7 @@ NON_PRIVATE_METHODS = ("nonprivate", "nonprivate-head")
 _FROZEN = ("nonprivate-head", "dpsgd-head", "dpfp")  # the encoder is not trained
 _DPFP = ("dpfp", "dpfp-finetune")
 _OBJECTIVES = ("linear", "infilling")
+_PACKAGED = ("rotten-tomatoes", "womens-clothing")  # data sets with their own fixed split
 #: Methods that run on several processes (torchrun); the others train in one process.
 _MULTI_PROCESS = ("dpsgd", "dpsgd-head")
 
@@ -155,19 +162,6 @@ _SCOPES = {
     "dpfp-finetune": "DP-FP with encoder fine-tuning: only the noisy representations are "
     "covered; the encoder's updates are OUTSIDE the formal guarantee; labels are NOT protected",
 }
-
-
-def _is_causal(encoder: str) -> bool:
-    """From the name or the folder's config.json: is ``encoder`` a causal LM?"""
-    if encoder == SMOLLM2:
-        return True
-    config = Path(encoder) / "config.json"
-    if encoder == "minilm" or not config.is_file():
-        return False  # a missing folder is refused, by name, when it is loaded
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    return bool(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()).intersection(architectures))
 
 
 @dataclass
@@ -259,7 +253,7 @@ class ClassifyTrainConfig:
         check_choice("objective", self.objective, _OBJECTIVES)
         check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
         check_choice("clipping_mode", self.clipping_mode, ("book_keeping", "ghost"))
-        causal = _is_causal(self.encoder)
+        causal = self.causal
         if self.objective == "linear":
             if self.pooling is None:
                 self.pooling = "last" if causal else "mean"
@@ -348,7 +342,7 @@ class ClassifyTrainConfig:
     def causal(self) -> bool:
         """Whether the encoder is a causal LM (``smollm2-135m-instruct`` or a folder whose
         config.json names a causal-LM architecture)."""
-        return _is_causal(self.encoder)
+        return self.encoder != "minilm" and is_causal_lm(self.encoder)
 
     @property
     def private(self) -> bool:
@@ -364,6 +358,7 @@ def _load_source(
     spec: str,
     *,
     label_names: list[str] | None = None,
+    dev_fraction: float = 0.1,
     test_fraction: float = 0.1,
 ) -> TextClassificationData:
     """The packaged data set or file ``spec`` (the value of config field ``arg``), split."""
@@ -385,14 +380,14 @@ def _load_source(
         label_col=cfg.label_col,
         label_names=label_names,
         seed=cfg.split_seed,
-        dev_fraction=0.0 if test_fraction == 0.0 and arg == "test_data" else 0.1,
+        dev_fraction=dev_fraction,
         test_fraction=test_fraction,
     )
 
 
 def _use_test_data(cfg: ClassifyTrainConfig, data: TextClassificationData) -> None:
     """Replace ``data``'s test split by ``cfg.test_data``'s, labels mapped by name."""
-    packaged = cfg.test_data in ("rotten-tomatoes", "womens-clothing")
+    packaged = cfg.test_data in _PACKAGED
     # A file is all test: read it whole (no dev, no test split) and take its "train" part.
     try:
         other = _load_source(
@@ -400,6 +395,7 @@ def _use_test_data(cfg: ClassifyTrainConfig, data: TextClassificationData) -> No
             "test_data",
             cfg.test_data,
             label_names=None if packaged else data.label_names,
+            dev_fraction=0.1 if packaged else 0.0,
             test_fraction=0.1 if packaged else 0.0,
         )
     except ValueError as err:
@@ -424,7 +420,7 @@ def _use_test_data(cfg: ClassifyTrainConfig, data: TextClassificationData) -> No
 
 def load_classification_data(cfg: ClassifyTrainConfig) -> TextClassificationData:
     """The split data the config names, with the training subset and ``test_data`` applied."""
-    own_test = cfg.test_data is None or cfg.data in ("rotten-tomatoes", "womens-clothing")
+    own_test = cfg.test_data is None or cfg.data in _PACKAGED
     data = _load_source(cfg, "data", cfg.data, test_fraction=0.1 if own_test else 0.0)
     if cfg.test_data is not None:
         _use_test_data(cfg, data)
@@ -628,9 +624,9 @@ def _setup_model(
             "alpha": cfg.lora_alpha,
             "targets": list(cfg.lora_targets),
         }
-        classifier.head.requires_grad_(True)  # peft froze everything but the adapters
-        if isinstance(classifier.head, LabelWordHead):  # the tied LM head stays frozen
-            classifier.head.requires_grad_(False)
+        # peft froze everything but the adapters: the fresh head trains again, the tied
+        # LM head of the label words stays frozen
+        classifier.head.requires_grad_(not isinstance(classifier.head, LabelWordHead))
     return classifier, objective, tokenizer, key
 
 

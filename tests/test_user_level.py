@@ -178,8 +178,12 @@ def test_user_level_bad_input():
         make_private(model, opt, data, user_ids=user_ids, privacy_unit="example", **kw)
     with pytest.raises(ValueError, match=r"user_ids\[0\]=\[\d+\] is not allowed"):
         make_private(model, opt, data, user_ids=[[u] for u in user_ids], **kw)
+    # every user drawn (q = 1) and a fixed seed: an empty Poisson batch (3% at q = 1/4) has no
+    # chunk to misuse
+    kw |= dict(batch_size=N_USERS, seed=0)
     private = make_private(model, opt, data, user_ids=user_ids, max_physical_batch_size=2, **kw)
     batch = next(iter(private.data_loader))
+    assert len(batch.chunks) > 1
     x, y, _ = batch.chunks[0]
     x, y = torch.cat([x, x]), torch.cat([y, y])  # not the chunk's size
     with pytest.raises(ValueError, match="pass the chunks in order"):

@@ -75,6 +75,7 @@ MODULES = [
     "dptrain.models.reattention",
     "dptrain.models.text_classifier",
     "dptrain.optim",
+    "dptrain.precision",
     "dptrain.privacy_engine",
     "dptrain.recipes",
     "dptrain.recipes.seqrec",

@@ -305,6 +305,7 @@ def test_greedy_decode_matches_a_manual_argmax_loop(tokenizer, tmp_path, batchin
         ({"loss_reduction": "max"}, "loss_reduction='max'"),
         ({"init_from": "/no/such/folder"}, "init_from='/no/such/folder'"),
         ({"max_len": 2}, "max_len=2"),
+        ({"amp": "fp16"}, "amp='fp16' is not allowed: expected one of off, bf16"),
     ],
 )
 def test_bad_config(kw, match):
@@ -430,6 +431,30 @@ def test_packaged_config_loads():
 # -- a pretrained causal LM (a tiny Llama folder standing in for SmolLM2) ----------------------
 
 
+def test_bf16_autocast_trains_and_decodes_close_to_float32(tmp_path):
+    from tests.lm_helpers import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "llama")
+    data = write_e2e(tmp_path / "e2e", synthetic_pairs(16, 3), synthetic_pairs(5, 2, 3))
+    res = {}
+    for amp in ("off", "bf16"):
+        cfg = tiny_config(
+            tmp_path / amp,
+            data,
+            epsilon=8.0,
+            pretrained=str(folder),
+            lora_r=4,
+            amp=amp,
+            max_len=256,
+        )
+        res[amp] = train_table2text(cfg)
+    assert res["bf16"]["amp"] == "bf16"
+    off, bf16 = res["off"]["valid_loss"], res["bf16"]["valid_loss"]
+    assert off != bf16  # the forward passes did run in bf16
+    assert abs(off - bf16) < 0.05 * off  # ~3 significant digits per operation
+    assert res["bf16"]["epsilon"] == res["off"]["epsilon"]  # the same ledger
+
+
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_pretrained_llama_full_and_lora(tmp_path, lora_r):
     from tests.lm_helpers import save_tiny_llama
@@ -437,10 +462,17 @@ def test_pretrained_llama_full_and_lora(tmp_path, lora_r):
     folder = save_tiny_llama(tmp_path / "llama")
     data = write_e2e(tmp_path / "e2e", synthetic_pairs(16, 3), synthetic_pairs(5, 2, 3))
     cfg = tiny_config(
-        tmp_path, data, epsilon=8.0, accountant="rdp", pretrained=str(folder), lora_r=lora_r
+        tmp_path,
+        data,
+        epsilon=8.0,
+        accountant="rdp",
+        pretrained=str(folder),
+        lora_r=lora_r,
+        max_len=256,  # the tiny Llama's byte-level tokens: 48 cut every text away
     )
     res = train_table2text(cfg)
     out = tmp_path / "run"
+    assert res["n_train_truncated"] == 0 and res["valid_loss"] > 0  # texts were trained on
     assert res["model"] == str(folder) and res["lora_r"] == lora_r
     assert 7.0 < res["epsilon"] <= 8.0 * 1.001
     assert "pretrained model's own tokenizer" in res["tokenizer_scope"]

@@ -78,6 +78,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dptrain.precision import AMP_MODES, amp_context, check_amp
+
 __all__ = [
     "AMP_MODES",
     "DPTRAIN_METHODS",
@@ -117,9 +119,6 @@ DPTRAIN_METHODS = ("dptrain-bk", "dptrain-ghost", "dptrain-instantiate")
 OPACUS_METHODS = ("opacus-hooks", "opacus-ghost", "opacus-functorch")
 #: Every method, in report order.
 METHODS = ("nonprivate", *DPTRAIN_METHODS, *OPACUS_METHODS)
-
-#: Precision of the forward pass and loss: float32, or bfloat16 autocast.
-AMP_MODES = ("off", "bf16")
 
 _DPTRAIN_KWARGS: dict[str, dict[str, str]] = {
     "dptrain-bk": {"mode": "book_keeping"},
@@ -242,24 +241,6 @@ def check_methods(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
             f"methods={','.join(bad)} is not allowed: expected some of {', '.join(METHODS)}"
         )
     return tuple(m for m in METHODS if m == "nonprivate" or m in names)
-
-
-def check_amp(amp: str) -> str:
-    """``amp`` if it is one of :data:`AMP_MODES`; otherwise ValueError naming the choices."""
-    if amp not in AMP_MODES:
-        raise ValueError(f"amp={amp!r} is not allowed: expected one of {', '.join(AMP_MODES)}")
-    return amp
-
-
-def amp_context(
-    amp: str, device: str | torch.device = "cpu"
-) -> contextlib.AbstractContextManager[Any]:
-    """The context a step's forward pass and loss run in: none for ``"off"``, bfloat16
-    autocast on the device's type for ``"bf16"``. A fresh one per use: an autocast
-    object must not be entered twice at once."""
-    if check_amp(amp) == "off":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
 def _installed(module: str) -> bool:

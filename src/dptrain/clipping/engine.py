@@ -135,6 +135,9 @@ class _Call:
     """The dimension of the output that holds the examples (1 for a time-first module)."""
     inputs: tuple | None = None
     """(args, kwargs), detached, for a rule that replays the call (replay.py)."""
+    low_precision: bool = False
+    """The call ran in float16/bfloat16 (autocast, or such inputs or outputs): autograd
+    would form its parameters' gradients in that precision (see ``_sum_from_records``)."""
     a_shape: tuple[int, ...] = field(init=False)
     """``a``'s shape, for messages once ``a`` is gone."""
 
@@ -197,6 +200,9 @@ class ClippingEngine:
         self.model = model
         self.clipping = clipping
         self.mode = mode
+        # Whether this backward forms the clipped sum from the records (book-keeping, and
+        # ghost on a low-precision chunk) or by ghost's second backward; set per backward.
+        self._sum_from_records = mode == "book_keeping"
         self.norm_method = norm_method
         self.gamma = check_positive("gamma", gamma)
         self._uses = self._plan(model)
@@ -477,6 +483,7 @@ class ClippingEngine:
                     out_shape=out_shape,
                     in_nodes=in_nodes,
                     expanded_to=expanded_to,
+                    low_precision=_low_precision(a, output),
                 )
             )
             return output if expanded_to is not None else None
@@ -499,6 +506,7 @@ class ClippingEngine:
                 in_nodes=[grad_node(t) for t in inputs],
                 batch_dim=bd,
                 inputs=_detached((args, kwargs)),
+                low_precision=_low_precision(a, y),
             )
         )
 
@@ -569,13 +577,20 @@ class ClippingEngine:
             if check:  # before the output gradients exist: the re-runs need their memory
                 independence.run(self, active, b)
             calls = [(u, c) for u in active for c in live[u]]
+            # Ghost's second backward would form sum_i c_i g_i in the calls' own precision:
+            # in bf16 that sum differs from the one whose norms were clipped (one record
+            # moved it by 1.002 C in tests/clipping/test_mixed_precision.py). Such a chunk's
+            # sum is formed from the float32 records, as book-keeping forms it.
+            self._sum_from_records = self.mode == "book_keeping" or any(
+                c.low_precision for _, c in calls
+            )
             streamed = {u for u in active if self._streams(u, live[u], b)}
             self.streamed = tuple(u.name for u in active if u in streamed)
             # On a checked chunk the self-check compares each streamed call's per-example
             # gradients with those of its re-weighted backward: kept per call until then.
             parts: dict[_Call, tuple | None] | None = {} if check else None
             grads = self._output_gradients(
-                losses, calls, streamed, b, retain=check or self.mode == "ghost", parts=parts
+                losses, calls, streamed, b, retain=check or not self._sum_from_records, parts=parts
             )
             records = self._records(active, live, grads, b)
             if check:
@@ -602,7 +617,7 @@ class ClippingEngine:
                 else torch.zeros(b)  # the losses did not depend on any clipped parameter
             )
             factors = self.clip_factors(total, loss_scale)
-        if self.mode == "ghost":
+        if not self._sum_from_records:
             self.clear()
             weights = factors if index is None else factors[index.inverse.to(factors.device)]
             # inputs=: only the clipped parameters; one made trainable after the engine was
@@ -1076,7 +1091,7 @@ class ClippingEngine:
         if self._ghost(use, a, g):
             return self._rule(use).norms_sq(use.module, a, g, True)
         per_example = self._rule(use).per_example(use.module, a, g)
-        if self.mode == "book_keeping":  # reused for the clipped sum
+        if self._sum_from_records:  # reused for the clipped sum
             self._per_example[use] = per_example
         return _squared_norms(per_example)
 
@@ -1084,7 +1099,7 @@ class ClippingEngine:
         """Parameter name -> (B,) squared per-example gradient norms."""
         # The streamed modules' per-example gradients exist already (no record).
         per_module = {u: _squared_norms(grads) for u, grads in self._per_example.items()}
-        if self.mode == "ghost":  # the second backward forms the sum: only norms are needed
+        if not self._sum_from_records:  # the second backward forms the sum: norms suffice
             self._per_example = {}
         # A module whose every parameter is a tied weight (a tied head, the embedding) gets
         # its norm from _tied_norm_sq alone: its own would be computed and discarded.
@@ -1392,6 +1407,15 @@ def _lookup_node(output: Tensor, weight: Tensor, stop_nodes: list):
 def _in_backward() -> bool:
     """Whether autograd is running a backward now (e.g. a checkpointed block's recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _low_precision(a: Tensor, output: Tensor) -> bool:
+    """Whether a call computed in float16/bfloat16: under autocast, or on such tensors."""
+    return (
+        torch.is_autocast_enabled(output.device.type)
+        or a.dtype in _LOW_PRECISION
+        or output.dtype in _LOW_PRECISION
+    )
 
 
 def upcast(t: Tensor) -> Tensor:

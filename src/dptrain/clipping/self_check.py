@@ -156,7 +156,7 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
         torch.autograd.backward(
             (losses * w).sum(),
             inputs=[engine.parameter(n) for n in names],
-            retain_graph=engine.mode == "ghost",
+            retain_graph=not engine._sum_from_records,  # ghost: its second backward follows
         )
     finally:
         for h in handles:

@@ -46,7 +46,13 @@ def test_bf16_autocast_matches_float32_oracle():
 def _tied_gpt_and_bf16_losses(b: int = 6):
     torch.manual_seed(1)
     cfg = GPTConfig(
-        vocab_size=30, max_seq_len=16, n_layer=2, n_head=2, d_model=32, d_mlp=64, tie_embeddings=True
+        vocab_size=30,
+        max_seq_len=16,
+        n_layer=2,
+        n_head=2,
+        d_model=32,
+        d_mlp=64,
+        tie_embeddings=True,
     )
     model = GPT(cfg)
     ids = torch.randint(0, 30, (b, 9))

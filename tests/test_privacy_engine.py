@@ -155,3 +155,23 @@ def test_growing_batch_size_is_calibrated_and_recorded_as_scheduled():
     assert segments == [(10 / 200, 4), (40 / 200, 4)]
     assert private.epsilon() <= 5.0
     assert private.epsilon() > 4.5
+
+
+def test_chunk_key_orders_the_chunks():
+    model, opt, data = setup()
+    first_token = data.tensors[0][:, 0].tolist()
+    private = make_private(
+        model,
+        opt,
+        data,
+        batch_size=40,
+        max_grad_norm=1.0,
+        steps=3,
+        noise_multiplier=1.0,
+        max_physical_batch_size=8,
+        chunk_key=first_token.__getitem__,
+        seed=0,
+    )
+    for batch in private.data_loader:
+        keys = torch.cat([x[:, 0] for x, _ in batch.chunks]).tolist()
+        assert len(keys) > 8 and keys == sorted(keys)

@@ -173,6 +173,7 @@ def make_private(
     accountant: str = "pld",
     max_physical_batch_size: int | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    chunk_key: Callable[[int], float] | None = None,
     seed: int | None = None,
     privacy_unit: str | None = None,
     user_ids: Any = None,
@@ -193,6 +194,9 @@ def make_private(
         clipping, mode, norm_method: see :class:`dptrain.clipping.ClippingEngine`.
         accountant: ``pld`` (default), ``rdp`` or ``gdp`` for calibration and reports.
         max_physical_batch_size: chunk size for memory (default: B).
+        chunk_key: record index -> sort key (e.g. its length in tokens): each logical
+            batch is sorted by it before it is cut into chunks, so chunks padded to their
+            longest row waste less (the batch and the guarantee are unchanged).
         seed: fixes the sampling and the noise; None draws from the OS (logged).
         privacy_unit: what one unit of the guarantee is called in the ledger and every
             report: default ``"example"`` (one record), or ``"user"`` with ``user_ids``
@@ -294,6 +298,7 @@ def make_private(
         collate_fn=collate_fn,
         seed=seed,
         unit_ids=user_ids,
+        chunk_key=chunk_key,
     )
     return PrivateTraining(
         model=model,

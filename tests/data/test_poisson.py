@@ -375,3 +375,28 @@ def test_user_level_loader_draws_whole_users():
         assert batch.num_units == len(users)
         sizes.append(batch.num_units)
     assert 1.2 < sum(sizes) / len(sizes) < 2.8  # about q * 4 = 2 users per batch
+
+
+def test_chunk_key_sorts_each_batch_and_keeps_its_records():
+    n, key = 60, [(7 * i) % 13 for i in range(60)]
+    plain = DPDataLoader(PairDataset(n), 0.3, 10, 4, seed=5)
+    keyed = DPDataLoader(PairDataset(n), 0.3, 10, 4, seed=5, chunk_key=key.__getitem__)
+    for a, b in zip(plain, keyed, strict=True):
+        ra = [int(i) for f, _ in a.chunks for i in f[:, 0]]
+        rb = [int(i) for f, _ in b.chunks for i in f[:, 0]]
+        assert sorted(rb) == ra and b.size == a.size  # the same sampled records
+        assert [key[i] for i in rb] == sorted(key[i] for i in ra)  # chunked in key order
+        assert [len(f) for f, _ in b.chunks] == [len(f) for f, _ in a.chunks]
+
+
+def test_chunk_key_places_a_user_by_its_largest_record():
+    from dptrain.data import order_for_chunks
+
+    members = [[0, 1], [2], [3, 4, 5]]
+    key = [5, 0, 3, 1, 1, 9].__getitem__  # user 0: max 5, user 1: 3, user 2: 9
+    assert order_for_chunks([0, 1, 2], key, members) == [1, 0, 2]
+    assert order_for_chunks([2, 0], None, members) == [2, 0]  # no key: sampled order
+    user_ids = ["a", "a", "b", "c", "c", "c"]
+    loader = DPDataLoader(list(range(6)), 1.0, 1, 6, seed=0, unit_ids=user_ids, chunk_key=key)
+    (batch,) = list(loader)
+    assert [int(i) for chunk in batch.chunks for i in chunk] == [2, 0, 1, 3, 4, 5]

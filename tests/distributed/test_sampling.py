@@ -48,3 +48,19 @@ def test_world_size_must_divide_a_global_physical_batch():
     assert loader.max_physical_batch_size == 4
     with pytest.raises(ValueError, match="seed=None is not allowed"):
         DistributedDPDataLoader(data, 0.1, 3, 4, seed=None, rank=0, world_size=2)
+
+
+def test_a_sharded_loader_keeps_the_chunk_key():
+    data = torch.utils.data.TensorDataset(torch.arange(200))
+    key = [(11 * i) % 17 for i in range(200)]
+    single = DPDataLoader(data, 0.2, 4, 1000, seed=3, chunk_key=key.__getitem__)
+    shard = DistributedDPDataLoader.from_loader(
+        single, max_physical_batch_size=5, rank=1, world_size=2
+    )
+    plain = DistributedDPDataLoader.from_loader(
+        DPDataLoader(data, 0.2, 4, 1000, seed=3), max_physical_batch_size=5, rank=1, world_size=2
+    )
+    for a, b in zip(plain, shard, strict=True):
+        got = [int(v) for chunk in b.chunks for v in chunk[0]]
+        want = sorted((int(v) for chunk in a.chunks for v in chunk[0]), key=key.__getitem__)
+        assert [key[i] for i in got] == [key[i] for i in want] and sorted(got) == sorted(want)

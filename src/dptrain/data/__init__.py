@@ -37,6 +37,7 @@ from dptrain.data.poisson import (
     DPDataLoader,
     LogicalBatch,
     PoissonBatchSampler,
+    order_for_chunks,
     pack_units,
     split_physical,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "minilm_path",
     "movielens_100k_path",
     "news_articles_path",
+    "order_for_chunks",
     "pack_units",
     "preprocess_sasrec",
     "read_interactions",

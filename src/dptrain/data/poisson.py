@@ -36,6 +36,7 @@ __all__ = [
     "DPDataLoader",
     "LogicalBatch",
     "PoissonBatchSampler",
+    "order_for_chunks",
     "pack_units",
     "split_physical",
 ]
@@ -243,6 +244,25 @@ def group_records(
     return list(members.values())
 
 
+def order_for_chunks(
+    indices: Sequence[int],
+    chunk_key: Callable[[int], float] | None,
+    unit_members: Sequence[Sequence[int]] | None = None,
+) -> list[int]:
+    """A logical batch's records (or units) sorted by ``chunk_key`` before it is chunked.
+
+    Sorting by length puts sequences of similar length in one chunk, so a chunk padded to
+    its longest row carries less padding. The batch's records, and so the clipped sum and
+    the guarantee, are unchanged: only which records share a forward pass. A unit (user)
+    is placed by the largest key among its records. None keeps the sampled order.
+    """
+    if chunk_key is None:
+        return list(indices)
+    if unit_members is None:
+        return sorted(indices, key=chunk_key)
+    return sorted(indices, key=lambda u: max(map(chunk_key, unit_members[u])))
+
+
 def split_physical(indices: Sequence[int], max_physical_batch_size: int) -> list[list[int]]:
     """Cut a logical batch into consecutive chunks of at most ``max_physical_batch_size``.
 
@@ -361,6 +381,8 @@ class DPDataLoader:
             (users) are Poisson-sampled with rate q, each bringing all its records,
             and chunks are packed by unit (:func:`pack_units`); ``dataset_size`` and
             the expected batch size then count units.
+        chunk_key: record index -> sort key (e.g. its length): each logical batch is
+            sorted by it before chunking (:func:`order_for_chunks`); None: sampled order.
     """
 
     def __init__(
@@ -374,8 +396,10 @@ class DPDataLoader:
         *,
         seed: int | None = None,
         unit_ids: Sequence[Any] | None = None,
+        chunk_key: Callable[[int], float] | None = None,
     ):
         self.dataset = dataset
+        self.chunk_key = chunk_key
         n = check_int("len(dataset)", len(dataset), minimum=1)
         self.max_physical_batch_size = check_int(
             "max_physical_batch_size", max_physical_batch_size, minimum=1
@@ -400,6 +424,7 @@ class DPDataLoader:
         sampler = self.sampler
         while sampler.steps_drawn < sampler.steps:
             step, q, indices = sampler._draw()
+            indices = order_for_chunks(indices, self.chunk_key, self.unit_members)
             if self.unit_members is None:
                 chunks = [
                     self.collate_fn([self.dataset[i] for i in chunk])

@@ -18,6 +18,7 @@ from dptrain.data.poisson import (
     DPDataLoader,
     LogicalBatch,
     PoissonBatchSampler,
+    order_for_chunks,
     pack_units,
     split_physical,
 )
@@ -183,6 +184,7 @@ class DistributedDPDataLoader:
         self.sampler: PoissonBatchSampler = loader.sampler
         # user-level DP: the sampler draws units (users), each rank takes whole units
         self.unit_members = getattr(loader, "unit_members", None)
+        self.chunk_key = getattr(loader, "chunk_key", None)
 
     @property
     def seed(self) -> int | None:
@@ -196,7 +198,11 @@ class DistributedDPDataLoader:
     def __iter__(self) -> Iterator[RankBatch]:
         for indices in self.sampler:  # the global batch, the same on every rank
             step = self.sampler.steps_drawn - 1
-            mine = shard_indices(indices, self.rank, self.world_size)
+            mine = order_for_chunks(
+                shard_indices(indices, self.rank, self.world_size),
+                self.chunk_key,
+                self.unit_members,
+            )
             q = self.sampler.sample_rate_at(step)
             if self.unit_members is None:
                 chunks = [

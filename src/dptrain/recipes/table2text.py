@@ -708,19 +708,19 @@ def fit_table2text(
     best_state = copy.deepcopy(model.state_dict())
     bar = tqdm(total=steps, disable=not cfg.progress, desc="table2text", unit="step")
     loss_sum, loss_n = 0.0, 0
+
+    def chunk_losses(ids: Tensor, mask: Tensor, labels: Tensor) -> Tensor:
+        with amp_context(cfg.amp, device):
+            return _losses(
+                model, ids.to(device), mask.to(device), labels.to(device), cfg.loss_reduction
+            )
+
     for step in range(1, steps + 1):
         opt.zero_grad(set_to_none=True)
         if cfg.private:
             batch = next(batches)
-            for ids, mask, labels in batch.chunks:
-                with amp_context(cfg.amp, device):
-                    losses = _losses(
-                        model,
-                        ids.to(device),
-                        mask.to(device),
-                        labels.to(device),
-                        cfg.loss_reduction,
-                    )
+            for chunk in batch.chunks:
+                losses = chunk_losses(*chunk)
                 private.backward(losses)
                 loss_sum += float(losses.detach().sum())
                 loss_n += len(losses)
@@ -730,15 +730,7 @@ def fit_table2text(
         else:
             rows = sorted(next(batches), key=lambda row: int(row[1].sum()))  # by length
             for i in range(0, len(rows), cfg.max_physical_batch_size):
-                ids, mask, labels = _collate(rows[i : i + cfg.max_physical_batch_size])
-                with amp_context(cfg.amp, device):
-                    losses = _losses(
-                        model,
-                        ids.to(device),
-                        mask.to(device),
-                        labels.to(device),
-                        cfg.loss_reduction,
-                    )
+                losses = chunk_losses(*_collate(rows[i : i + cfg.max_physical_batch_size]))
                 (losses.sum() / len(rows)).backward()  # the batch mean, accumulated over chunks
                 loss_sum += float(losses.detach().sum())
                 loss_n += len(losses)

@@ -188,9 +188,10 @@ class Table2TextConfig:
     weight_decay: float = 0.0
     max_physical_batch_size: int = 64
     amp: str = "off"
-    """``off`` (float32) or ``bf16``: training and validation forward passes and decoding
-    under bfloat16 autocast, float32 weights (dptrain.precision); clipped sums are formed
-    in float32. 1.5x faster per SmolLM2 LoRA step on an AVX512-BF16 CPU."""
+    """``off`` (float32) or ``bf16``: training and validation forward passes under bfloat16
+    autocast, float32 weights (dptrain.precision); clipped sums are formed in float32.
+    Decoding stays float32: autocast casts every weight again for each generated token,
+    which made E2E greedy decoding slower, not faster (docs/lm.md)."""
     # evaluation and output
     eval_batch_size: int = 64
     beam_size: int = 5
@@ -935,7 +936,6 @@ def _decode_and_score(fitted: FittedLM, cfg: Table2TextConfig, grouped, beams: S
             no_repeat_ngram_size=cfg.no_repeat_ngram_size,
             batch_size=cfg.eval_batch_size,
             batching=cfg.decode_batching,
-            amp=cfg.amp,
         )
         scores[name] = score_generations(gens[name], refs)
     return gens, scores

@@ -93,3 +93,30 @@ def test_ghost_forms_a_bf16_sum_from_its_records_and_a_float32_one_by_a_second_b
     engine.backward(per_example_cross_entropy(model(ids[:, :-1]), ids[:, 1:]))
     assert not engine._sum_from_records  # float32: the second backward, as ghost means
     engine.detach()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: with bf16 parameters the clipped sum is rounded to bf16 in p.grad "
+    "(and noised there), so one record moves it by C plus the rounding, which grows with "
+    "the batch (1.0001 C at B 6, 1.0005 C at B 64). Fix: sum and noise in float32, then cast",
+)
+def test_one_record_moves_a_bf16_parameter_sum_by_at_most_c():
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=30,
+        max_seq_len=16,
+        n_layer=2,
+        n_head=2,
+        d_model=32,
+        d_mlp=64,
+        tie_embeddings=True,
+    )
+    model = GPT(cfg).bfloat16()
+    ids = torch.randint(0, 30, (64, 9))
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def losses():
+        return per_example_cross_entropy(model(x).float(), y)
+
+    sensitivity(model, losses, 1, max_grad_norm=0.01, mode="book_keeping", slack=1e-6)

@@ -43,8 +43,8 @@ def test_bf16_autocast_matches_float32_oracle():
         assert err < 5e-2, name
 
 
-def _tied_gpt_and_bf16_losses(b: int = 6):
-    torch.manual_seed(1)
+def _tied_gpt(seed: int) -> GPT:
+    torch.manual_seed(seed)
     cfg = GPTConfig(
         vocab_size=30,
         max_seq_len=16,
@@ -54,7 +54,11 @@ def _tied_gpt_and_bf16_losses(b: int = 6):
         d_mlp=64,
         tie_embeddings=True,
     )
-    model = GPT(cfg)
+    return GPT(cfg)
+
+
+def _tied_gpt_and_bf16_losses(b: int = 6):
+    model = _tied_gpt(seed=1)
     ids = torch.randint(0, 30, (b, 9))
     x, y = ids[:, :-1], ids[:, 1:]
 
@@ -102,17 +106,7 @@ def test_ghost_forms_a_bf16_sum_from_its_records_and_a_float32_one_by_a_second_b
     "the batch (1.0001 C at B 6, 1.0005 C at B 64). Fix: sum and noise in float32, then cast",
 )
 def test_one_record_moves_a_bf16_parameter_sum_by_at_most_c():
-    torch.manual_seed(0)
-    cfg = GPTConfig(
-        vocab_size=30,
-        max_seq_len=16,
-        n_layer=2,
-        n_head=2,
-        d_model=32,
-        d_mlp=64,
-        tie_embeddings=True,
-    )
-    model = GPT(cfg).bfloat16()
+    model = _tied_gpt(seed=0).bfloat16()
     ids = torch.randint(0, 30, (64, 9))
     x, y = ids[:, :-1], ids[:, 1:]
 

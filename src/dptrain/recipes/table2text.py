@@ -82,6 +82,7 @@ from dptrain.accounting import (
     steps_from_epochs,
 )
 from dptrain.audit.gradient_canaries import GradientCanaries
+from dptrain.clipping.engine import upcast
 from dptrain.config import save_config
 from dptrain.data.e2e import load_e2e
 from dptrain.losses import per_example_cross_entropy
@@ -430,8 +431,7 @@ def _padded(tokenizer, seqs: list[list[int]], starts: list[int]) -> dict[str, Te
 def _losses(model, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, reduction: str):
     """Per-example cross-entropy of the labelled (text) tokens, (B,)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    if logits.dtype in (torch.bfloat16, torch.float16):  # autocast: a float32 log-softmax
-        logits = logits.float()
+    logits = upcast(logits)  # bf16 under autocast: the log-softmax in float32
     return per_example_cross_entropy(logits[:, :-1], labels[:, 1:], reduction=reduction)
 
 
@@ -660,7 +660,8 @@ def fit_table2text(
     valid_enc = encode_pairs(tokenizer, valid, cfg.max_len)
     dataset = torch.utils.data.TensorDataset(enc["input_ids"], enc["attention_mask"], enc["labels"])
     # A logical batch is chunked in order of length, so each chunk (cut to its longest row
-    # by _collate) carries little padding: 1.4x fewer tokens per E2E step with SmolLM2.
+    # by _collate) carries less padding: 1.14x fewer tokens per E2E batch of 32 in chunks of
+    # 16 with SmolLM2's tokenizer (200 random batches).
     lengths = enc["attention_mask"].sum(1).tolist()
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model.train()

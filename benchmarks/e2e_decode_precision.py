@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("run", type=Path, help="a table2text run folder with model/")
     parser.add_argument("--amp", choices=("off", "bf16"), default="off")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the run's")
+    parser.add_argument("--tables", type=int, default=None, help="the first N test tables")
+    parser.add_argument("--merge", action="store_true", help="merge the LoRA weights first")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_config(Table2TextConfig, args.run / "config.yaml")
@@ -43,21 +46,34 @@ def main() -> None:
     model, tokenizer, _ = _pretrained_model(cfg)
     set_peft_model_state_dict(model, load_file(args.run / "model" / "adapter_model.safetensors"))
     model.eval()
+    if args.merge:
+        model = model.merge_and_unload()
     splits = load_e2e(cfg.data, valid_fraction=cfg.valid_fraction, seed=cfg.split_seed)
-    grouped = group_references(splits.test)[: cfg.max_test_tables]
+    grouped = group_references(splits.test)[: args.tables or cfg.max_test_tables]
     t0 = time.perf_counter()
     texts = decode(
         model,
         tokenizer,
         [t for t, _ in grouped],
         max_new_tokens=cfg.max_new_tokens,
-        batch_size=cfg.eval_batch_size,
+        batch_size=args.batch_size or cfg.eval_batch_size,
         batching=cfg.decode_batching,
         amp=args.amp,
     )
     wall = time.perf_counter() - t0
     scores = score_generations(texts, [r for _, r in grouped])
-    print(json.dumps({"amp": args.amp, "tables": len(grouped), "decode_s": wall, **scores}))
+    print(
+        json.dumps(
+            {
+                "amp": args.amp,
+                "merged": args.merge,
+                "batch_size": args.batch_size or cfg.eval_batch_size,
+                "tables": len(grouped),
+                "decode_s": wall,
+                **scores,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

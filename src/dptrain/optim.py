@@ -8,6 +8,8 @@ then
 1. all-reduces the clipped sums (a no-op in one process; the hook the
    data-parallel trainer overrides),
 2. adds N(0, sigma^2 C^2 I) once (Abadi et al. 2016; Li et al. 2022 Alg. 1),
+   in at least float32 (a bf16 parameter's sum is the engine's float32 one;
+   the cast to bf16 comes after the noise),
 3. divides by the expected batch size q N (not the realised one, which would
    leak the batch size),
 4. runs the wrapped optimizer's step and records the step in the ledger.
@@ -28,7 +30,7 @@ from torch import Tensor
 
 from dptrain._checks import check_int, check_positive, check_sample_rate
 from dptrain.accounting import PrivacyLedger
-from dptrain.clipping.engine import ClippingEngine, ClipStats, upcast
+from dptrain.clipping.engine import _LOW_PRECISION, ClippingEngine, ClipStats, upcast
 
 __all__ = ["DPOptimizer", "PrivacyBudgetExhaustedError", "StepMetrics", "noisy_clipped_gradient"]
 
@@ -68,6 +70,26 @@ def _total_norm(norms: list[Tensor]) -> float:
         return 0.0
     device = norms[0].device
     return float(torch.stack([n.to(device, torch.float64) for n in norms]).pow(2).sum().sqrt())
+
+
+def _sum_to_noise(engine: ClippingEngine | None, p: torch.nn.Parameter) -> Tensor:
+    """The clipped sum of ``p`` to noise, in at least float32: ``p.grad`` itself for a
+    float32/float64 parameter (made zero if None), a float32 tensor for a float16/bfloat16
+    one (the engine's float32 sum; see :func:`_publish`). Noising a bf16 sum in bf16 would
+    let rounding move it by more than C."""
+    s = engine.clipped_sum(p) if engine is not None else p.grad
+    if s is None:
+        if p.dtype in _LOW_PRECISION:
+            return torch.zeros_like(p, dtype=torch.float32)
+        p.grad = torch.zeros_like(p)
+        return p.grad
+    return upcast(s)
+
+
+def _publish(p: torch.nn.Parameter, s: Tensor) -> None:
+    """p.grad <- the noised sum ``s``, cast to p's dtype after the noise (post-processing)."""
+    if s is not p.grad:
+        p.grad = torch.empty_like(p).copy_(s)
 
 
 def _make_generator(seed: int | None, device: torch.device) -> tuple[torch.Generator, int]:
@@ -133,6 +155,8 @@ class DPOptimizer(torch.optim.Optimizer):
         #: ``before_noise(optimizer)`` may add canary gradients to the clipped sums, its
         #: ``after_noise(optimizer)`` reads the noised gradients. None: no audit.
         self.audit_hook: Any = None
+        # This step's clipped sums as they are noised, by parameter id (clipped_sum).
+        self._sums: dict[int, Tensor] = {}
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._generator_for(torch.device("cpu"))
@@ -176,11 +200,22 @@ class DPOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a logical batch: forget the previous clipped sums."""
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self._sums.clear()
 
     def check_clipped_gradients(self) -> None:
         """Refuse a step on gradients the engine did not clip (no-op without an engine)."""
         if self.engine is not None:
             self.engine.check_gradients(self.params())
+
+    def clipped_sum(self, p: torch.nn.Parameter) -> Tensor:
+        """The clipped sum of ``p`` this step will noise, in at least float32 (for a
+        float16/bfloat16 parameter, the engine's float32 sum, not the rounded ``p.grad``).
+        Add to it in place (an audit's canaries); the noise and the cast to p's dtype
+        follow in :meth:`add_noise`."""
+        s = self._sums.get(id(p))
+        if s is None:
+            s = self._sums[id(p)] = _sum_to_noise(self.engine, p)
+        return s
 
     def all_reduce_clipped_sums(self) -> None:
         """Sum the clipped sums over data-parallel workers. One process: nothing to do."""
@@ -194,17 +229,17 @@ class DPOptimizer(torch.optim.Optimizer):
         k = check_positive("loss_scale", loss_scale)
         std = self.noise_multiplier * self.max_grad_norm * k
         params = [p for p in self.params() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        sums = [self.clipped_sum(p) for p in params]
         # The diagnostics stay tensors until the end: one host sync per step, not two per
         # parameter (a GPU would otherwise stall on every parameter).
-        signal = _norms([p.grad.detach() for p in params])
+        signal = _norms([s.detach() for s in sums])
         noise_norms = []
-        for p in params:
-            noise = torch.empty_like(p).normal_(0.0, std, generator=self._generator_for(p.device))
-            noise_norms.append(torch.linalg.vector_norm(upcast(noise)))
-            p.grad.add_(noise).div_(k * self.expected_batch_size)
+        for p, s in zip(params, sums, strict=True):
+            noise = torch.empty_like(s).normal_(0.0, std, generator=self._generator_for(p.device))
+            noise_norms.append(torch.linalg.vector_norm(noise))
+            s.add_(noise).div_(k * self.expected_batch_size)
+            _publish(p, s)
+        self._sums.clear()
         return StepMetrics(
             step=self.steps_taken,
             sample_rate=self.sample_rate,
@@ -225,6 +260,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"(epsilon is computed from the ledger: {self.ledger!r})"
             )
         self.check_clipped_gradients()
+        self._sums.clear()
         self.all_reduce_clipped_sums()
         if self.audit_hook is not None:
             self.audit_hook.before_noise(self)
@@ -297,10 +333,10 @@ def noisy_clipped_gradient(
     std = sigma * engine.max_grad_norm
     generators = {generator.device: generator} if generator is not None else {}
     for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+        s = _sum_to_noise(engine, p)
         if p.device not in generators:
             generators[p.device], _ = _make_generator(None, p.device)
-        noise = torch.empty_like(p).normal_(0.0, std, generator=generators[p.device])
-        p.grad.add_(noise).div_(divisor)
+        noise = torch.empty_like(s).normal_(0.0, std, generator=generators[p.device])
+        s.add_(noise).div_(divisor)
+        _publish(p, s)
     return stats

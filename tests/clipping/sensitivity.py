@@ -46,11 +46,13 @@ def clipped_sums(
             scale = torch.ones_like(losses)
             scale[index if units is None else units == index] = lam
             engine.backward(losses * scale, units=units)
+            # what the optimizer noises: p.grad, or a bf16 parameter's float32 sum behind it
+            sums = [engine.clipped_sum(p) for p in params]
             out.append(
                 torch.cat(
                     [
-                        (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double()
-                        for p in params
+                        (s if s is not None else torch.zeros_like(p)).flatten().double()
+                        for p, s in zip(params, sums, strict=True)
                     ]
                 )
             )

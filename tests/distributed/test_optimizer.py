@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dptrain.optim import DPOptimizer
-from tests.distributed.two_ranks import NOISE_C, NOISE_SIGMA
+from tests.distributed.two_ranks import NOISE_BATCH, NOISE_C, NOISE_SIGMA
 
 
 def test_all_reduced_noise_has_std_sigma_c(two_ranks):
@@ -34,6 +34,30 @@ def test_all_reduced_noise_has_std_sigma_c(two_ranks):
     w.grad = torch.zeros_like(w)
     opt.add_noise()
     assert torch.allclose(noise0, w.grad.flatten(), rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_parameters_get_float32_noise_cast_after(two_ranks):
+    """Zero clipped sums on a bf16 Linear: p.grad is rank 0's float32 noise / q N, cast to
+    bf16 after, on both ranks, as one process makes it with the same seed."""
+    _, results = two_ranks
+    grad0, grad1 = (r["noise"]["grad16"] for r in results)
+    assert grad0.dtype == torch.bfloat16 and torch.equal(grad0, grad1)
+    w = nn.Parameter(torch.zeros(20, 30, dtype=torch.bfloat16))
+    opt = DPOptimizer(
+        torch.optim.SGD([w], lr=0.0),
+        noise_multiplier=NOISE_SIGMA,
+        max_grad_norm=NOISE_C,
+        expected_batch_size=NOISE_BATCH,
+        sample_rate=0.25,
+        seed=11,
+    )
+    opt.add_noise()
+    want = torch.empty(20, 30).normal_(
+        0.0, NOISE_SIGMA * NOISE_C, generator=torch.Generator().manual_seed(11)
+    )
+    assert torch.equal(w.grad, (want / NOISE_BATCH).to(torch.bfloat16))
+    assert torch.equal(grad0, w.grad)
+    assert float(grad0.float().std()) > 0
 
 
 def test_budget_stop_is_rank_0s_and_every_rank_stops(two_ranks):

@@ -117,6 +117,25 @@ def _noise_once(rank: int) -> dict:
         private.optimizer.step()
     noise = -model.weight.detach().flatten() * NOISE_BATCH
 
+    # A bf16 model: the sums are reduced and noised in float32, then cast (p.grad bf16).
+    lin16 = nn.Linear(30, 20, bias=False).bfloat16()
+    private16 = make_private_distributed(
+        lin16,
+        torch.optim.SGD(lin16.parameters(), lr=0.0),
+        torch.utils.data.TensorDataset(torch.randn(40, 30)),
+        batch_size=NOISE_BATCH,
+        max_grad_norm=NOISE_C,
+        steps=1,
+        noise_multiplier=NOISE_SIGMA,
+        seed=11,
+    )
+    for batch in private16.data_loader:
+        private16.optimizer.zero_grad()
+        for (x,) in batch.chunks:
+            private16.backward(lin16(x.bfloat16()).float().mul(0.0).sum(1))
+        private16.optimizer.step()
+    grad16 = lin16.weight.grad.detach().clone()
+
     # The budget is rank 0's: only rank 0 is told max_steps; both ranks stop together.
     lin = nn.Linear(4, 3)
     opt = DistributedDPOptimizer(
@@ -134,7 +153,7 @@ def _noise_once(rank: int) -> dict:
         stopped = "no error"
     except PrivacyBudgetExhaustedError as exc:
         stopped = str(exc)
-    return {"noise": noise, "stopped": stopped, "steps_taken": opt.steps_taken}
+    return {"noise": noise, "grad16": grad16, "stopped": stopped, "steps_taken": opt.steps_taken}
 
 
 def _bad_input(rank: int) -> dict:

@@ -136,10 +136,9 @@ class GradientCanaries:
         value = self.norm * factor
         for i, which, flat in self._groups:
             p = self.params[i]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            add = present[which].to(p.dtype) * value
-            p.grad.view(-1).index_add_(0, flat.to(p.device), add.to(p.device))
+            s = optimizer.clipped_sum(p)  # at least float32: a bf16 p.grad would round
+            add = present[which].to(s.dtype) * value
+            s.view(-1).index_add_(0, flat.to(p.device), add.to(p.device))
 
     def after_noise(self, optimizer: Any) -> None:
         """Score += the noised sum at each canary's coordinate (the update times q N)."""

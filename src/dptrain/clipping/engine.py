@@ -18,6 +18,9 @@ per-example losses L_i (B,), :meth:`ClippingEngine.backward`
 4. adds the clipped sum sum_i c_i grad_i into ``p.grad``, either by
    book-keeping (from the stored a and g, no second backward; Bu et al. 2023)
    or by a second backward of sum_i c_i L_i (ghost clipping, Li et al. 2022).
+   A float16/bfloat16 parameter's sum is kept in float32 beside its ``p.grad``
+   (which holds it rounded): the optimizer noises the float32 sum and casts
+   after (:meth:`ClippingEngine.clipped_sum`).
 
 ``p.grad`` accumulates over calls, so a logical batch can be processed in
 physical chunks; the DP optimizer then adds the noise once and steps.
@@ -236,6 +239,9 @@ class ClippingEngine:
         gradients arrived, dropping those (see _streams)."""
         # p.grad as the engine left it: (id, version) per parameter id, checked at the step.
         self._grad_marks: dict[int, tuple[int, int]] = {}
+        # A float16/bfloat16 parameter's clipped sum in float32, by parameter id, with the
+        # rounded copy written to p.grad beside it (valid while p.grad is that copy).
+        self._float32_sums: dict[int, tuple[Tensor, Tensor]] = {}
         # The summed, unclipped gradient of a privacy unit spanning chunks (add_to_unit).
         self._open_unit: dict[str, Tensor] | None = None
         self._handles = [
@@ -581,8 +587,10 @@ class ClippingEngine:
             # in bf16 that sum differs from the one whose norms were clipped (one record
             # moved it by 1.002 C in tests/clipping/test_mixed_precision.py). Such a chunk's
             # sum is formed from the float32 records, as book-keeping forms it.
-            self._sum_from_records = self.mode == "book_keeping" or any(
-                c.low_precision for _, c in calls
+            self._sum_from_records = (
+                self.mode == "book_keeping"
+                or any(c.low_precision for _, c in calls)
+                or any(p.dtype in _LOW_PRECISION for p in self.parameters())
             )
             streamed = {u for u in active if self._streams(u, live[u], b)}
             self.streamed = tuple(u.name for u in active if u in streamed)
@@ -696,12 +704,7 @@ class ClippingEngine:
             total = torch.stack(list(norms_sq.values())).sum(0).sqrt()
             factors = self.clip_factors(total, loss_scale)
         for name, grad in held.items():
-            p = self.parameter(name)
-            grad = (grad * self._factor_for(name, factors).to(grad.dtype)).to(p.dtype)
-            if p.grad is None:
-                p.grad = grad
-            else:
-                p.grad.add_(grad)
+            self._add_to_grad(self.parameter(name), grad * self._factor_for(name, factors))
         self._mark_grads()
         return ClipStats(total.detach() / loss_scale, factors.detach(), self.max_grad_norm)
 
@@ -1238,7 +1241,15 @@ class ClippingEngine:
         time, each module's record freed once its parameters are done."""
         sums = self._drain_weighted_sums(records, lambda name: self._factor_for(name, factors))
         for name, grad in sums:
-            p = self.parameter(name)
+            self._add_to_grad(self.parameter(name), grad)
+            del grad
+
+    def _add_to_grad(self, p: nn.Parameter, grad: Tensor) -> None:
+        """p.grad += grad. A float16/bfloat16 parameter's sum is accumulated in float32 and
+        p.grad gets it rounded: summing in p's dtype would round every partial sum, and one
+        record then moved the noised sum by C plus the rounding (1.0005 C at B 64, in
+        tests/clipping/test_mixed_precision.py)."""
+        if p.dtype not in _LOW_PRECISION:
             grad = grad.to(p.dtype)
             if p.grad is None:
                 # the param's own strides (a transposed Conv1D sum is not), as torch's
@@ -1246,7 +1257,44 @@ class ClippingEngine:
                 p.grad = grad if grad.stride() == p.stride() else grad.contiguous()
             else:
                 p.grad.add_(grad)
-            del grad
+            return
+        held = self.clipped_sum(p)
+        if held is None:  # p's strides (as above), in float32
+            total = torch.empty_like(p, dtype=torch.float32).copy_(grad)
+        elif held.dtype != torch.float32:  # a rounded sum only (written before this engine's
+            total = held.float().add_(grad)  # float32 sum existed): kept, as it is
+        else:
+            total = held.add_(grad.to(torch.float32))
+        rounded = torch.empty_like(p)  # p's strides, as above
+        rounded.copy_(total)
+        p.grad = rounded
+        self._float32_sums[id(p)] = (total, rounded)
+
+    def clipped_sum(self, p: nn.Parameter) -> Tensor | None:
+        """The clipped sum the engine accumulated for ``p`` since its ``p.grad`` was last
+        cleared: ``p.grad`` itself, or, for a float16/bfloat16 parameter, the float32 sum
+        of which ``p.grad`` is the rounded copy. Noise it and divide in that precision,
+        then cast (``DPOptimizer.add_noise``); None where ``p.grad`` is None.
+
+        The float32 sum is returned only while ``p.grad`` is the copy the engine wrote
+        (same tensor, same version); otherwise it is dropped and ``p.grad`` is returned.
+        """
+        if p.grad is None:
+            self._float32_sums.pop(id(p), None)
+            return None
+        held = self._float32_sums.get(id(p))
+        if (
+            held is not None
+            and held[1] is p.grad
+            and self._grad_marks.get(id(p))
+            == (
+                id(p.grad),
+                p.grad._version,
+            )
+        ):
+            return held[0]
+        self._float32_sums.pop(id(p), None)
+        return p.grad
 
     def parameter(self, name: str) -> nn.Parameter:
         """The clipped parameter called ``name`` (see :attr:`parameter_names`)."""

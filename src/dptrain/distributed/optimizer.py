@@ -13,7 +13,7 @@ from dptrain._checks import check_positive
 from dptrain.accounting import PrivacyLedger
 from dptrain.distributed.collectives import _flat_collective
 from dptrain.distributed.context import _rank_and_world
-from dptrain.optim import DPOptimizer, PrivacyBudgetExhaustedError, StepMetrics
+from dptrain.optim import DPOptimizer, PrivacyBudgetExhaustedError, StepMetrics, _publish
 
 __all__ = ["DistributedDPOptimizer"]
 
@@ -115,9 +115,9 @@ class DistributedDPOptimizer(DPOptimizer):
         k = check_positive("loss_scale", loss_scale)
         self.check_clipped_gradients()
         params = [p for p in self.params() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        self._sums.clear()
+        # at least float32 (a bf16 parameter's float32 sum): reduced and noised so, cast after
+        sums = [self.clipped_sum(p) for p in params]
         device = params[0].device if params else torch.device("cpu")
         stop = self.rank == 0 and self.max_steps is not None and self.steps_taken >= self.max_steps
         std = self.noise_multiplier * self.max_grad_norm * k
@@ -125,34 +125,35 @@ class DistributedDPOptimizer(DPOptimizer):
         noise_sq = math.nan
         if self.rank == 0 and not stop:
             noise_sq = 0.0
-            for p in params:
+            for p, s in zip(params, sums, strict=True):
                 gen = self._generator_for(p.device)
                 start_states.setdefault(p.device, gen.get_state())
-                noise = torch.empty_like(p).normal_(0.0, std, generator=gen)
+                noise = torch.empty_like(s).normal_(0.0, std, generator=gen)
                 noise_sq += _sq_norm(noise)
-                p.grad.add_(noise)
+                s.add_(noise)
         # Rank 0's decision rides in the first gradient bucket (same device and dtype).
-        dtype = params[0].dtype if params else torch.float32
+        dtype = sums[0].dtype if sums else torch.float32
         flag = torch.tensor([1.0 if stop else 0.0], dtype=dtype, device=device)
         group = self.group
-        grads = [p.grad for p in params]
         _flat_collective(
-            [flag, *grads],
+            [flag, *sums],
             self.bucket_cap_bytes,
             lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
         )
         if float(flag) != 0.0:
             # The reduced sums hold every rank's un-noised data: drop them.
-            self.original_optimizer.zero_grad(set_to_none=True)
+            self.zero_grad(set_to_none=True)
             raise PrivacyBudgetExhaustedError(
                 f"the privacy budget allows {self.max_steps} steps and all are taken; rank 0 "
                 f"stopped every rank (epsilon is computed from rank 0's ledger: {self.ledger!r})"
             )
         signal_sq = math.nan
         if self.rank == 0:
-            signal_sq = self._signal_sq(params, start_states, std)
-        for p in params:
-            p.grad.div_(k * self.expected_batch_size)
+            signal_sq = self._signal_sq(params, sums, start_states, std)
+        for p, s in zip(params, sums, strict=True):
+            s.div_(k * self.expected_batch_size)
+            _publish(p, s)
+        self._sums.clear()
         self.original_optimizer.step()
         self.ledger.record(self.sample_rate, self.noise_multiplier)
         metrics = StepMetrics(
@@ -169,7 +170,11 @@ class DistributedDPOptimizer(DPOptimizer):
         return metrics
 
     def _signal_sq(
-        self, params: list[nn.Parameter], start_states: dict[torch.device, Tensor], std: float
+        self,
+        params: list[nn.Parameter],
+        sums: list[Tensor],
+        start_states: dict[torch.device, Tensor],
+        std: float,
     ) -> float:
         """||reduced sum - noise||^2, redrawing the noise from the states it started from."""
         gens = {}
@@ -178,9 +183,9 @@ class DistributedDPOptimizer(DPOptimizer):
             g.set_state(state)
             gens[d] = g
         total = 0.0
-        for p in params:
-            noise = torch.empty_like(p).normal_(0.0, std, generator=gens[p.device])
-            total += _sq_norm(p.grad.detach() - noise)
+        for p, s in zip(params, sums, strict=True):
+            noise = torch.empty_like(s).normal_(0.0, std, generator=gens[p.device])
+            total += _sq_norm(s.detach() - noise)
         return total
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]

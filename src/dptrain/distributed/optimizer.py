@@ -25,8 +25,9 @@ class DistributedDPOptimizer(DPOptimizer):
     sums into ``p.grad``:
 
     1. rank 0 checks the budget (``max_steps``, its ledger) and, if a step is
-       allowed, adds N(0, sigma^2 C^2 K^2) to its ``p.grad`` (K: loss scale),
-       drawn as the one-process optimizer draws it;
+       allowed, adds N(0, sigma^2 C^2 K^2) to its clipped sums (K: loss scale),
+       drawn as the one-process optimizer draws it (float32 for a bf16/fp16
+       parameter: the engine's float32 sum; ``p.grad`` gets the result cast);
     2. all ranks all-reduce (SUM) the gradients in flattened buckets, with
        rank 0's stop flag alongside; if rank 0 said stop, every rank raises
        :class:`~dptrain.optim.PrivacyBudgetExhaustedError`;

@@ -143,3 +143,15 @@ def test_overrides_keep_prompts_with_colons_and_braces_as_text():
     assert got["prompt"] == "Review:"
     assert got["p"] == "Write a {label} review:"
     assert got["m"] == {"a": 1} and got["t"] == ["a", "b"]
+
+
+def test_yaml_words_off_and_on_stay_words_for_string_fields(tmp_path):
+    # YAML 1.1 reads off/on/yes/no as booleans: amp=off would reach a str field as False.
+    cfg = load_config(_Config, None, ["model=off", "tie=no"])
+    assert cfg.model == "off" and cfg.tie is False
+    assert load_config(_Config, None, ["tie=On"]).tie is True
+    assert load_config(_Config, None, ["tie=false"]).tie is False
+    path = tmp_path / "c.yaml"
+    path.write_text("model: off\n")  # unquoted in a file: named, with the fix
+    with pytest.raises(ConfigError, match=r"model=False is not allowed: .*quote the word"):
+        load_config(_Config, path)

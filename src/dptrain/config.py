@@ -58,6 +58,10 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         # meant when written as one ({a: 1}) and a list when written [a, b].
         if isinstance(value, dict) and not text.startswith("{"):
             value = raw
+        # YAML 1.1 reads on/off/yes/no as booleans: amp=off is the word "off" (a bool
+        # field takes these words too, see _convert)
+        if isinstance(value, bool) and text.lower() not in ("true", "false"):
+            value = text
         out[key] = value
     return out
 
@@ -174,6 +178,8 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.lower() in _YAML_WORDS:
+            return _YAML_WORDS[value.lower()]
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -190,7 +196,16 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
             return value
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)  # e.g. a data name that YAML read as a number
+        if isinstance(value, bool):  # an unquoted off/on/yes/no in a YAML file
+            raise ConfigError(
+                f"{key}={value!r} is not allowed: expected a string (YAML reads unquoted "
+                f'off/on/yes/no as false/true: quote the word, e.g. {key}: "off")'
+            )
     raise ConfigError(f"{key}={value!r} is not allowed: expected {_describe(hint)}")
+
+
+#: The YAML 1.1 words for true and false, which a ``key=value`` override keeps as text.
+_YAML_WORDS = {"yes": True, "y": True, "on": True, "no": False, "n": False, "off": False}
 
 
 def _describe(hint: Any) -> str:

@@ -286,6 +286,16 @@ def test_validation_perplexity_is_the_token_weighted_mean_over_completions(files
     assert tokens == int((batch["labels"][:, 1:] != -100).sum())
 
 
+def test_bf16_autocast_run_scores_close_to_float32_and_records_amp(files, tmp_path):
+    model, tokenizer = load_pretrained_lm(files / "tiny")
+    examples = tokenize_lm_records(lm_records_from_rows(_rows(7)), tokenizer, max_length=32)
+    exact, _ = validation_perplexity(model, examples, list(range(7)), batch_size=3)
+    low, _ = validation_perplexity(model, examples, list(range(7)), 3, amp="bf16")
+    assert low != exact and low == pytest.approx(exact, rel=2e-2)  # bf16 ran, and close
+    results = train_lm(_cfg(files, tmp_path, lora_r=4, amp="bf16"))
+    assert results["amp"] == "bf16" and math.isfinite(results["valid_loss"])
+
+
 def test_packaged_config_and_cli_wiring():
     assert _TRAIN_RECIPES["lm"][:3] == (
         "dptrain.recipes.lm_finetune",
@@ -332,6 +342,7 @@ def test_packaged_config_and_cli_wiring():
         ({"steps": 4, "batch_schedule": "4x2"}, "has 2 steps but steps=4"),
         ({"batch_growth": 0.5}, "batch_growth=0.5 is not allowed"),
         ({"device": "tpu"}, "device='tpu' is not allowed"),
+        ({"amp": "fp16"}, "amp='fp16' is not allowed: expected one of off, bf16"),
     ],
 )
 def test_bad_settings_are_named(files, tmp_path, overrides, message):

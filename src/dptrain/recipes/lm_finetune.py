@@ -81,7 +81,7 @@ from dptrain.accounting import (
     make_accountant,
     steps_from_epochs,
 )
-from dptrain.clipping.engine import CLIPPING_MODES
+from dptrain.clipping.engine import CLIPPING_MODES, upcast
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS
 from dptrain.config import save_config
 from dptrain.data.lm_records import (
@@ -98,6 +98,7 @@ from dptrain.data.lm_records import (
 from dptrain.data.poisson import DPDataLoader
 from dptrain.losses import per_example_lm_loss
 from dptrain.models.pretrained import SMOLLM2
+from dptrain.precision import amp_context, check_amp
 from dptrain.privacy_engine import make_private
 from dptrain.recipes._causal_lm import (
     LLAMA_PROJECTIONS,
@@ -204,6 +205,10 @@ class LMFinetuneConfig:
     batch_schedule: str | None = None
     """Explicit stages ``"BxS,BxS,..."`` (expected batch x steps) instead; needs ``steps``."""
     max_physical_batch_size: int = 8
+    amp: str = "off"
+    """``off`` (float32) or ``bf16``: training and validation forward passes under bfloat16
+    autocast, float32 weights (dptrain.precision); norms and clipped sums in float32.
+    Generation stays float32 (autocast re-casts every weight for each generated token)."""
     # evaluation and output
     eval_every: int = 20
     epsilon_every: int = 10
@@ -239,6 +244,7 @@ class LMFinetuneConfig:
         check_choice("mode", self.mode, CLIPPING_MODES)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_amp(self.amp)
         check_int("max_length", self.max_length, 2)
         check_in_interval("valid_fraction", self.valid_fraction, 0.0, 1.0)
         for name in ("batch_size", "growth_stages", "max_physical_batch_size"):
@@ -380,23 +386,29 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _forward(
-    model: nn.Module, chunk: dict[str, torch.Tensor], device: torch.device
+    model: nn.Module, chunk: dict[str, torch.Tensor], device: torch.device, amp: str = "off"
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The model's logits for a collated chunk, and the chunk on ``device``. No KV cache:
-    nothing is generated from a training or scoring pass."""
+    """The model's logits (float32) for a collated chunk, and the chunk on ``device``. No KV
+    cache: nothing is generated from a training or scoring pass. ``amp="bf16"``: the forward
+    runs under bfloat16 autocast and the logits are cast up for the loss."""
     chunk = {k: v.to(device) for k, v in chunk.items()}
-    logits = model(
-        input_ids=chunk["input_ids"], attention_mask=chunk["attention_mask"], use_cache=False
-    ).logits
-    return logits, chunk
+    with amp_context(amp, device):
+        logits = model(
+            input_ids=chunk["input_ids"], attention_mask=chunk["attention_mask"], use_cache=False
+        ).logits
+    return upcast(logits), chunk
 
 
 @torch.no_grad()
 def validation_perplexity(
-    model: nn.Module, examples: LMExamples, positions: list[int], batch_size: int
+    model: nn.Module,
+    examples: LMExamples,
+    positions: list[int],
+    batch_size: int,
+    amp: str = "off",
 ) -> tuple[float, int]:
     """(mean token NLL in nats, number of scored tokens) over the completion tokens of
-    ``examples[positions]``; the perplexity is ``exp`` of the first."""
+    ``examples[positions]``; the perplexity is ``exp`` of the first. ``amp``: as training's."""
     was_training = model.training
     model.eval()
     device = _device_of(model)
@@ -405,10 +417,10 @@ def validation_perplexity(
         for i in range(0, len(positions), batch_size):
             chunk = [examples[j] for j in positions[i : i + batch_size]]
             logits, batch = _forward(
-                model, collate_lm(chunk, pad_token_id=examples.pad_token_id), device
+                model, collate_lm(chunk, pad_token_id=examples.pad_token_id), device, amp
             )
             labels = batch["labels"]
-            total += float(per_example_lm_loss(logits.float(), labels, reduction="sum").sum())
+            total += float(per_example_lm_loss(logits, labels, reduction="sum").sum())
             count += int((labels[:, 1:] != IGNORE_INDEX).sum())
     finally:
         model.train(was_training)
@@ -645,7 +657,7 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
 
     # -- train, evaluating as it goes (and once before, for the base model's figures) --
     valid_loss, valid_tokens = validation_perplexity(
-        model, valid, eval_positions, cfg.eval_batch_size
+        model, valid, eval_positions, cfg.eval_batch_size, cfg.amp
     )
     before = greedy_generations(model, tokenizer, prompts, cfg.max_new_tokens)
     history = [_eval_line(0, valid_loss, 0.0 if private else math.inf, {})]
@@ -663,7 +675,7 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         lr = opt.param_groups[0]["lr"]
         opt.zero_grad(set_to_none=True)
         for chunk in batch.chunks:  # in order: user-level clipping pairs chunks with users
-            logits, chunk = _forward(model, chunk, device)
+            logits, chunk = _forward(model, chunk, device, cfg.amp)
             losses = per_example_lm_loss(logits, chunk["labels"])
             scored = (chunk["labels"][:, 1:] != IGNORE_INDEX).sum(1)
             window["loss"] += float((losses.detach() * scored).sum())
@@ -685,7 +697,9 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
             spent = epsilon_so_far(ledger, s.delta, cfg.accountant)
             eps_points.append((step, spent))
         if evaluate:
-            valid_loss, _ = validation_perplexity(model, valid, eval_positions, cfg.eval_batch_size)
+            valid_loss, _ = validation_perplexity(
+                model, valid, eval_positions, cfg.eval_batch_size, cfg.amp
+            )
             extra = {
                 "train_loss": window["loss"] / window["tokens"] if window["tokens"] else None,
                 "lr": lr,
@@ -755,6 +769,7 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         "max_grad_norm": cfg.max_grad_norm,
         "clipping": cfg.clipping,
         "mode": cfg.mode,
+        "amp": cfg.amp,
         "optimizer": cfg.optimizer,
         "lr": cfg.lr,
         "weight_decay": cfg.weight_decay,

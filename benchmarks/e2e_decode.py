@@ -1,10 +1,14 @@
-"""Decode a `train table2text` run's saved LoRA model again, in float32 or bf16 autocast.
+"""Decode a `train table2text` run's saved LoRA model again: precision, batch, beams.
 
-    python benchmarks/e2e_decode_precision.py runs/e2e-full/epsnull --amp off
+    python benchmarks/e2e_decode.py runs/e2e-full/epsnull --amp off
+    python benchmarks/e2e_decode.py runs/e2e-grid/epsnull --tables 400 --batch-size 128
+    python benchmarks/e2e_decode.py runs/e2e-grid/epsnull --tables 200 --beams 5
 
-Loads the run's config.yaml and adapter (``model/``), decodes its test tables greedily
-with its decode settings, and prints the wall time and BLEU / ROUGE-L: the figure behind
-decoding in float32 whatever the run's ``amp`` (docs/lm.md, "E2E with a pretrained model").
+Loads the run's config.yaml and adapter (``model/``), decodes its test tables (the first
+``--tables``) with its decode settings unless overridden, and prints one JSON line: the
+wall time and BLEU / ROUGE-L. Behind decoding in float32 whatever the run's ``amp``,
+in batches of 128, and the beam-5 figures on a subset (docs/lm.md, "E2E with a
+pretrained model").
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="default: the run's")
     parser.add_argument("--tables", type=int, default=None, help="the first N test tables")
     parser.add_argument("--merge", action="store_true", help="merge the LoRA weights first")
+    parser.add_argument("--beams", type=int, default=1, help="beam size (1: greedy)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_config(Table2TextConfig, args.run / "config.yaml")
@@ -55,7 +60,9 @@ def main() -> None:
         model,
         tokenizer,
         [t for t, _ in grouped],
+        num_beams=args.beams,
         max_new_tokens=cfg.max_new_tokens,
+        no_repeat_ngram_size=cfg.no_repeat_ngram_size,
         batch_size=args.batch_size or cfg.eval_batch_size,
         batching=cfg.decode_batching,
         amp=args.amp,
@@ -67,6 +74,7 @@ def main() -> None:
             {
                 "amp": args.amp,
                 "merged": args.merge,
+                "beams": args.beams,
                 "batch_size": args.batch_size or cfg.eval_batch_size,
                 "tables": len(grouped),
                 "decode_s": wall,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.checkpoint import load_checkpoint, save_checkpoint
+from dptrain.clipping.engine import upcast
 from dptrain.distributed import (
     DistributedConfigError,
     DistributedDPOptimizer,
@@ -95,15 +96,13 @@ def _equivalence_and_resume(out: Path) -> dict:
     return results
 
 
-def _noise_once(rank: int) -> dict:
-    """Zero clipped gradients: after one SGD(lr=1) step from 0, weight = -noise / (q N)."""
-    model = nn.Linear(300, 400, bias=False).double()
-    nn.init.zeros_(model.weight)
-    data = torch.utils.data.TensorDataset(torch.randn(40, 300, dtype=torch.float64))
+def _step_on_zero_losses(model: nn.Linear, lr: float, inputs: torch.Tensor) -> None:
+    """One private step of ``model`` on losses that are all zero: the clipped sums are zero,
+    so the step's gradient is rank 0's noise / (q N)."""
     private = make_private_distributed(
         model,
-        torch.optim.SGD(model.parameters(), lr=1.0),
-        data,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        torch.utils.data.TensorDataset(inputs),
         batch_size=NOISE_BATCH,
         max_grad_norm=NOISE_C,
         steps=1,
@@ -113,27 +112,20 @@ def _noise_once(rank: int) -> dict:
     for batch in private.data_loader:
         private.optimizer.zero_grad()
         for (x,) in batch.chunks:
-            private.backward(model(x).mul(0.0).sum(1))
+            private.backward(upcast(model(x)).mul(0.0).sum(1))
         private.optimizer.step()
+
+
+def _noise_once(rank: int) -> dict:
+    """Zero clipped gradients: after one SGD(lr=1) step from 0, weight = -noise / (q N)."""
+    model = nn.Linear(300, 400, bias=False).double()
+    nn.init.zeros_(model.weight)
+    _step_on_zero_losses(model, 1.0, torch.randn(40, 300, dtype=torch.float64))
     noise = -model.weight.detach().flatten() * NOISE_BATCH
 
     # A bf16 model: the sums are reduced and noised in float32, then cast (p.grad bf16).
     lin16 = nn.Linear(30, 20, bias=False).bfloat16()
-    private16 = make_private_distributed(
-        lin16,
-        torch.optim.SGD(lin16.parameters(), lr=0.0),
-        torch.utils.data.TensorDataset(torch.randn(40, 30)),
-        batch_size=NOISE_BATCH,
-        max_grad_norm=NOISE_C,
-        steps=1,
-        noise_multiplier=NOISE_SIGMA,
-        seed=11,
-    )
-    for batch in private16.data_loader:
-        private16.optimizer.zero_grad()
-        for (x,) in batch.chunks:
-            private16.backward(lin16(x.bfloat16()).float().mul(0.0).sum(1))
-        private16.optimizer.step()
+    _step_on_zero_losses(lin16, 0.0, torch.randn(40, 30).bfloat16())
     grad16 = lin16.weight.grad.detach().clone()
 
     # The budget is rank 0's: only rank 0 is told max_steps; both ranks stop together.

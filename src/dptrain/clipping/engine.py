@@ -808,13 +808,16 @@ class ClippingEngine:
             if p.grad is not None:
                 self._grad_marks[id(p)] = (id(p.grad), p.grad._version)
 
+    def _wrote_grad(self, p: nn.Parameter) -> bool:
+        """Whether ``p.grad`` is the tensor the engine last left there, unchanged since."""
+        return p.grad is not None and self._grad_marks.get(id(p)) == (id(p.grad), p.grad._version)
+
     def _check_untouched_grads(self) -> None:
         """Refuse a ``p.grad`` the engine did not write (a plain backward, a stale gradient)."""
         touched = [
             name
             for name in self._groups
-            if (p := self.parameter(name)).grad is not None
-            and self._grad_marks.get(id(p)) != (id(p.grad), p.grad._version)
+            if (p := self.parameter(name)).grad is not None and not self._wrote_grad(p)
         ]
         if touched:
             raise UnsupportedModelError(
@@ -1283,15 +1286,7 @@ class ClippingEngine:
             self._float32_sums.pop(id(p), None)
             return None
         held = self._float32_sums.get(id(p))
-        if (
-            held is not None
-            and held[1] is p.grad
-            and self._grad_marks.get(id(p))
-            == (
-                id(p.grad),
-                p.grad._version,
-            )
-        ):
+        if held is not None and held[1] is p.grad and self._wrote_grad(p):
             return held[0]
         self._float32_sums.pop(id(p), None)
         return p.grad

@@ -282,9 +282,9 @@ _DECODER: dict[str, Any] = dict(
 def llama(tied: bool = False, seed: int = 0, **overrides: Any) -> ZooCase:
     """Llama: RMSNorm, RoPE, GQA (4 query heads, 2 kv heads), SwiGLU MLP.
 
-    ``overrides``: further ``LlamaConfig`` fields, e.g. ``attention_bias=True, mlp_bias=True``.
+    ``overrides``: further or other ``LlamaConfig`` fields, e.g. ``attention_bias=True``.
     """
-    config = transformers.LlamaConfig(**_DECODER, tie_word_embeddings=tied, **overrides)
+    config = transformers.LlamaConfig(**{**_DECODER, **overrides}, tie_word_embeddings=tied)
     model = _build(transformers.LlamaForCausalLM, config, seed)
     return _finish("llama-tied" if tied else "llama", model, _causal_lm_batch(0), token_losses)
 

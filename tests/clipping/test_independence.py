@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -70,7 +72,10 @@ def test_dropout_in_training_is_not_mixing_and_draws_no_randomness():
     assert all(m.training for m in model.modules())  # training flags restored
 
 
-def test_inputs_that_cannot_be_split_into_examples_skip_the_check_with_a_warning():
+def test_inputs_not_laid_out_by_example_need_no_split_and_are_checked():
+    """Examples are replaced inside the chunk, which keeps every shape: an input laid out
+    (2B,) needs no split (the check once ran each example alone and skipped this model)."""
+
     class Paired(nn.Module):
         def __init__(self):
             super().__init__()
@@ -83,6 +88,8 @@ def test_inputs_that_cannot_be_split_into_examples_skip_the_check_with_a_warning
     model = Paired().double()
     x = torch.randn(3, 3, dtype=torch.float64)
     engine = ClippingEngine(model, 1.0)
-    with pytest.warns(UnsupportedInputsWarning, match="could not run the model on example 0"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsupportedInputsWarning)
         engine.backward(model(x, torch.arange(6)))
+    assert engine.self_checks == 1
     engine.detach()

@@ -33,17 +33,22 @@ The engine never infers that from a size that may coincide (docs/engine.md,
 - each backward walks the losses' autograd graph and refuses a parameter used
   outside its modules' recorded calls (:mod:`dptrain.clipping.graph_check`);
 - each recorded call gets an example layout (rows, blocks of rows, or a table
-  shared by all examples); the first time a layout pattern is seen, the chunk
-  is checked exactly (:mod:`dptrain.clipping.self_check`): re-weighting each
-  example's loss by a power of two must re-weight exactly that example's rows,
-  and the rules' weighted sum must equal autograd's gradient of the weighted
-  loss. A mismatch refuses the model, naming the module.
+  shared by all examples); the first time a layout pattern or a graph signature
+  is seen, the chunk is checked in full (:mod:`dptrain.clipping.self_check`,
+  :mod:`dptrain.clipping.independence`), with subsets of the chunk that separate
+  every ordered pair of examples: the masked loss's gradient must be exactly zero
+  on the rows of the examples left out, the rules' masked sum must equal
+  autograd's, and re-runs with the left-out examples replaced must leave the
+  kept examples' inputs bitwise unchanged. A mismatch refuses the model, naming
+  the module;
+- rows that the data decide (selections by index values, data-dependent row
+  counts) are rows-checked on every chunk (:meth:`ClippingEngine._below_selections`).
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -55,8 +60,15 @@ from torch.utils._pytree import tree_flatten, tree_map
 from dptrain._checks import check_positive
 from dptrain.clipping import independence, self_check
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
-from dptrain.clipping.graph_check import grad_node, interior, parameter_uses
-from dptrain.clipping.layout import ROWS, example_layout, layout_pattern
+from dptrain.clipping.graph_check import (
+    SELECTIONS,
+    below,
+    grad_node,
+    interior,
+    parameter_uses,
+    selections,
+)
+from dptrain.clipping.layout import ROWS, SHARED, example_layout, layout_pattern
 from dptrain.clipping.phantom import phantom_cross_term
 from dptrain.clipping.replay import ReplayRule
 from dptrain.clipping.rules import (
@@ -228,10 +240,19 @@ class ClippingEngine:
         # The root call's inputs (detached) and, during an independence check's re-run, the
         # first input of each clipped module's calls (independence.py).
         self._root_inputs: tuple | None = None
+        self._root_random_state: tuple | None = None
         self._probe: dict[_Use, list] | None = None
         self._probe_pool: independence.SummaryPool | None = None
         # Layout patterns already checked exactly (self_check), per (module, call index).
         self._verified: set[tuple] = set()
+        # (module, call index) whose rows the data decide: rows-checked on every chunk.
+        self._by_data: set[tuple[str, int]] = set()
+        # Nodes of the last losses' graph that select rows by index values (graph_check),
+        # and the graph's operation counts outside the recorded calls; those checked.
+        self._selections: list = []
+        self._graph_signature: tuple = ()
+        self._sizes_by_data = False
+        self._graphs: set[tuple] = set()
         self.self_checks = 0
         """How many chunks were checked exactly so far (new layout patterns)."""
         self.streamed: tuple[str, ...] = ()
@@ -398,6 +419,9 @@ class ClippingEngine:
             return
         self._batch_shape = _batch_shape_of(args, kwargs)
         self._root_inputs = _detached((args, kwargs))
+        # The random state this forward starts from: the independence check's re-runs
+        # start from it too, so they draw what this forward drew (dropout masks, branches).
+        self._root_random_state = independence.random_state(self.model)
 
     def _make_hook(self, use: _Use):
         def hook(module, args, kwargs, output):
@@ -578,10 +602,14 @@ class ClippingEngine:
                 self.clear()
                 zeros = torch.zeros(b if index is None else index.num_units)
                 return ClipStats(zeros, zeros, self.max_grad_norm)
-            new_patterns = self._layouts(active, live, b)
-            check = bool(new_patterns)
+            new_patterns, by_data = self._layouts(active, live, b)
+            check = b > 1 and (bool(new_patterns) or self._graph_signature not in self._graphs)
             if check:  # before the output gradients exist: the re-runs need their memory
                 independence.run(self, active, b)
+            else:  # rows that the data decide: the rows check on every chunk
+                by_data += self._below_selections(losses, live, by_data, b)
+                if by_data:
+                    self_check.rows(self, losses, by_data, retain=True)
             calls = [(u, c) for u in active for c in live[u]]
             # Ghost's second backward would form sum_i c_i g_i in the calls' own precision:
             # in bf16 that sum differs from the one whose norms were clipped (one record
@@ -604,6 +632,7 @@ class ClippingEngine:
             if check:
                 self_check.run(self, losses, calls, grads, records, parts)
                 self._verified |= new_patterns
+                self._graphs.add(self._graph_signature)
                 self.self_checks += 1
             # the records hold what is needed; the output gradients go as records are freed
             del grads, parts
@@ -710,9 +739,13 @@ class ClippingEngine:
 
     # -- which rows are examples ----------------------------------------------------------
 
-    def _layouts(self, active: list[_Use], live: dict[_Use, list[_Call]], b: int) -> set[tuple]:
-        """Check every call has an example layout; return the patterns not yet checked exactly."""
+    def _layouts(
+        self, active: list[_Use], live: dict[_Use, list[_Call]], b: int
+    ) -> tuple[set[tuple], list[tuple[_Use, _Call]]]:
+        """Check every call has an example layout; return the patterns not yet checked
+        exactly, and the calls whose rows depend on the data (checked on every chunk)."""
         new = set()
+        by_data: list[tuple[_Use, _Call]] = []
         for use in active:
             for call in live[use]:
                 k = call.index
@@ -749,7 +782,64 @@ class ClippingEngine:
                     )
                     if pattern not in self._verified:
                         new.add(pattern)
-        return new
+                    if layout != SHARED and self._rows_by_data(use, call, b):
+                        by_data.append((use, call))
+        return new, by_data
+
+    def _below_selections(
+        self, losses: Tensor, live: dict[_Use, list[_Call]], by_data: list, b: int
+    ) -> list[tuple[_Use, _Call]]:
+        """Decide the selections in the losses' graph on this chunk; return the calls
+        below those whose rows could not be decided where they are.
+
+        A selection by index values (``logits[arange(B), last]``, ``loss_rows[mask]``,
+        ``index_add`` of token losses into examples) decides which rows reach which
+        example anew on every chunk. Where the tensor it selects from has one row (or
+        a block of T rows) per example, the gradient reaching that tensor is rows-checked
+        exactly (:func:`dptrain.clipping.self_check.frontier`: backwards that stop there,
+        near the loss); below it, the graph is the one checked on a new pattern. Where it
+        does not (token losses of selected tokens, N rows for b examples), every recorded
+        call below the selection is rows-checked itself.
+        """
+        if not self._selections:
+            return []
+        shape = self._batch_shape or (b,)
+        structural = {b * math.prod(shape[1:j]) for j in range(1, len(shape) + 1)}
+        undecided = self_check.frontier(self, losses, self._selections, structural)
+        if not undecided:
+            return []
+        under: dict[int, object] = {}
+        for node in undecided:
+            under.update(below(node))
+        have = {id(c) for _, c in by_data}
+        return [
+            (u, c)
+            for u, calls in live.items()
+            for c in calls
+            if id(c.edge.node) in under and id(c) not in have and c.expanded_to is None
+        ]
+
+    def _rows_by_data(self, use: _Use, call: _Call, b: int) -> bool:
+        """Whether which rows of ``call`` are whose may change from chunk to chunk.
+
+        The rows of a call are fixed by structure when there are b of them, or b blocks
+        of as many rows as the root input has positions (tokens flattened to (B * T, d)).
+        Any other count (tokens selected by their labels, routed tokens), an input made by
+        a selection that depends on values (``h[mask]``, gather, index_select), or a call
+        seen so once before, is decided again on every chunk: its count may coincide
+        with b on one chunk and hold other counts per example on the next.
+        """
+        key = (use.name, call.index)
+        if key in self._by_data:
+            return True
+        rows = call.out_shape[0]
+        shape = self._batch_shape or (b,)
+        structural = {b * math.prod(shape[1:j]) for j in range(1, len(shape) + 1)}
+        selected = any(type(n).__name__ in SELECTIONS for n in call.in_nodes if n is not None)
+        if rows in structural and not selected:
+            return False
+        self._by_data.add(key)
+        return True
 
     def _live_calls(self, losses: Tensor) -> dict[_Use, list[_Call]]:
         """The recorded calls the losses depend on, after checking every parameter use.
@@ -780,6 +870,21 @@ class ClippingEngine:
                 inside[id(use)] = {
                     k: v for c in calls for k, v in interior(c.edge.node, c.in_nodes).items()
                 }
+        # Selections inside a recorded call are its rule's to handle (a replay re-runs the
+        # module's own routing per example); those outside are decided on every chunk.
+        interiors = {k for nodes in inside.values() for k in nodes}
+        every_selection = selections(seen)
+        self._selections = [n for n in every_selection if id(n) not in interiors]
+        # Selections anywhere (routing inside a mixture of experts) make the sizes of
+        # some matrix products depend on the data: the independence check then allows
+        # their rounding (independence.py).
+        self._sizes_by_data = bool(every_selection)
+        # What the graph does between the recorded calls, as counts of operation types:
+        # a chunk whose graph differs (a branch taken at random or by the data, which may
+        # mix examples where the checked chunk did not) is checked again in full.
+        self._graph_signature = tuple(
+            sorted(Counter(type(n).__name__ for k, n in seen.items() if k not in interiors).items())
+        )
         outside = {}
         for name, uses in self._groups.items():
             allowed = {k: v for u, _ in uses for k, v in inside.get(id(u), {}).items()}

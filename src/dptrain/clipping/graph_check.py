@@ -32,10 +32,45 @@ from collections.abc import Iterable
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["REENTRANT_CHECKPOINT_NODE", "grad_node", "interior", "parameter_uses"]
+__all__ = [
+    "REENTRANT_CHECKPOINT_NODE",
+    "SELECTIONS",
+    "below",
+    "grad_node",
+    "interior",
+    "parameter_uses",
+    "selections",
+]
 
 #: The autograd node of ``torch.utils.checkpoint.CheckpointFunction`` (reentrant mode).
 REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
+
+#: Autograd nodes of operations that pick or place rows by index values, which may
+#: depend on the data (a boolean mask of labels, computed positions, routing): which
+#: rows of their input reach which rows of their output may change from chunk to chunk.
+SELECTIONS = frozenset(
+    {
+        "IndexBackward0",
+        "UnsafeIndexBackward0",
+        "IndexSelectBackward0",
+        "GatherBackward0",
+        "MaskedSelectBackward0",
+        "TakeBackward0",
+        "IndexAddBackward0",
+        "IndexPutBackward0",
+        "UnsafeIndexPutBackward0",
+        "IndexCopyBackward0",
+        "IndexFillBackward0",
+        "ScatterBackward0",
+        "ScatterBackward1",
+        "ScatterAddBackward0",
+        "ScatterReduceBackward0",
+        "MaskedScatterBackward0",
+        "PutBackward0",
+        "SortBackward0",
+        "TopkBackward0",
+    }
+)
 
 
 def interior(output_node, stop_nodes: Iterable) -> dict[int, object]:
@@ -108,3 +143,25 @@ def grad_node(t: Tensor):
     if not t.requires_grad:
         return None
     return t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node
+
+
+def selections(seen: dict[int, object]) -> list:
+    """The nodes among ``seen`` (a walk's nodes) that select rows by index values."""
+    return [n for n in seen.values() if type(n).__name__ in SELECTIONS]
+
+
+def below(node) -> dict[int, object]:
+    """The non-leaf nodes reachable from ``node``'s inputs, by id (held, as above)."""
+    seen: dict[int, object] = {}
+    stack = [n for n, _ in node.next_functions if n is not None and not hasattr(n, "variable")]
+    while stack:
+        nxt = stack.pop()
+        if id(nxt) in seen:
+            continue
+        seen[id(nxt)] = nxt
+        stack.extend(
+            n
+            for n, _ in nxt.next_functions
+            if n is not None and not hasattr(n, "variable") and id(n) not in seen
+        )
+    return seen

@@ -17,7 +17,10 @@ a first dimension of B. So a layout read from sizes is only a hypothesis. Its
 first time it is seen (:mod:`dptrain.clipping.self_check`), and the model is
 refused if the check fails. A pattern that passed stays trusted: the same
 module code called with the same pattern of coincidences lays out its rows
-the same way.
+the same way. Rows that the data decide (a row count other than B or B times
+the root input's positions, an input selected by index values) are not
+structure: such calls are rows-checked on every chunk (docs/engine.md,
+"Deciding which rows are examples").
 """
 
 from __future__ import annotations

@@ -1,29 +1,39 @@
-"""The engine's exact self-check, run on a chunk whose layout pattern is new.
+"""The engine's exact self-check: rows that belong to one example, rules that add up.
 
-The clipping engine reads example i's gradient from row i of each recorded
-call (see :mod:`dptrain.clipping.layout`). That is right only if example i's
-loss reaches no other row and the rules reconstruct the whole gradient. Both
-are checked with one extra backward pass, of the re-weighted loss
-sum_i w_i L_i with weights w_i = 2^e_i (e_i random in -3..3):
+The clipping engine reads example i's gradient from the rows of each recorded
+call that its layout gives example i (see :mod:`dptrain.clipping.layout`). That
+is right only if no other example's loss reaches those rows and the rules
+reconstruct the whole gradient. Both are decided with one backward pass per
+subset S_k of a family that separates every ordered pair of examples
+(:mod:`dptrain.clipping.separation`: 2 subsets for 2 examples, 6 for 16, 8 for 64),
+of the masked loss sum_{i in S_k} L_i:
 
-1. **Rows.** For every recorded output, d(sum_i w_i L_i)/d out must equal
-   w_i * d(sum_i L_i)/d out in row i. Powers of two scale floating-point
-   numbers exactly, so for a correct layout the two agree to the last bit on
-   a deterministic backend; a row that carries the gradient of another
+1. **Rows.** The gradient of every recorded output must be exactly zero on the
+   rows of every example outside S_k. Zero times a finite number is zero and a
+   sum of zeros is zero in every precision and every order of summation, so the
+   verdict does not depend on float32 or bf16, on TF32, or on the order in which
+   a GPU kernel accumulates (an earlier form compared a re-weighted backward with
+   the plain one within a tolerance, and refused correct Llama models under bf16
+   autocast on an H100, where attention's backward accumulates in a different
+   order on every run). Any amount of mixing is seen: a row that carries another
    example's loss (a shared table whose length equals the chunk size, a
-   time-first tensor with T = B, an operation that mixes the examples, a loss
-   with in-batch negatives) differs by an amount of the order of the mixing.
-   A streamed module's g is not kept (engine._output_gradients): the test is made
-   on what the engine reads from row i, example i's gradient formed from it.
-2. **Completeness.** For every clipped parameter, the rules' weighted sum
-   sum_i w_i grad_i (book-keeping from the recorded a and g) must equal
-   autograd's gradient of sum_i w_i L_i. This checks each rule's algebra on
-   the module it was given (a registered rule for the wrong type, a generic
-   rule on a module it cannot handle) and any gradient path the records miss.
+   time-first tensor with T = B, an operation that mixes the examples, a loss with
+   in-batch negatives, rows of selected tokens read with the wrong example) is
+   nonzero for the subset that holds that example and not the row's.
+2. **Completeness.** For every clipped parameter, the rules' masked sum
+   sum_{i in S_k} grad_i (book-keeping from the recorded a and g) must equal
+   autograd's gradient of the masked loss. This checks each rule's algebra on the
+   module it was given (a registered rule for the wrong type, a generic rule on a
+   module it cannot handle) and any gradient path the records miss. Rules and
+   autograd sum in different orders, so this comparison has a tolerance by
+   dtype; every example lies in some subset, so every row is in some sum.
 
-The weights come from a fixed-seed generator: they carry no data and need no
-privacy. The check's cost is one backward (with parameter gradients) on the
-chunks where a pattern is new, usually the first chunk and a handful more.
+The subsets depend on the chunk size alone: they carry no data and need no
+privacy. Each subset costs one backward (with parameter gradients, which are
+compared as autograd forms them and then dropped, so the check never holds a
+second copy of every gradient) on the chunks where a layout pattern is new, and
+the rows check alone (:func:`rows`) runs on every chunk for calls whose rows
+depend on the data (docs/engine.md, "Deciding which rows are examples").
 """
 
 from __future__ import annotations
@@ -35,40 +45,22 @@ import torch
 from torch import Tensor
 
 from dptrain.clipping.precision import tolerance_dtypes
+from dptrain.clipping.separation import separating_masks
 
 if TYPE_CHECKING:  # pragma: no cover
     from dptrain.clipping.engine import ClippingEngine
 
-__all__ = ["ROW_TOLERANCE", "SUM_TOLERANCE", "check_weights", "run"]
+__all__ = ["SUM_TOLERANCE", "frontier", "rows", "run"]
 
-#: Relative tolerance of the rows check, by the dtype of the recorded gradient. A
-#: correct layout agrees exactly on CPU; the slack is for reordered sums on GPUs.
-ROW_TOLERANCE = {
-    torch.float64: 1e-10,
-    torch.float32: 1e-5,
-    torch.bfloat16: 1e-3,
-    torch.float16: 1e-3,
-}
 #: Relative tolerance of the completeness check: the rules and autograd sum in
-#: different orders (and, under autocast, in different precisions).
+#: different orders (and, under autocast, in different precisions). The rows check
+#: has none: it asks for exact zeros.
 SUM_TOLERANCE = {
     torch.float64: 1e-9,
     torch.float32: 1e-4,
     torch.bfloat16: 5e-2,
     torch.float16: 5e-2,
 }
-
-_EXPONENTS = torch.arange(-3, 4)
-
-
-def check_weights(b: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Tensor:
-    """(b,) powers of two, pairwise distinct where b <= 7, from a fixed seed."""
-    gen = torch.Generator().manual_seed(seed)
-    if b <= len(_EXPONENTS):
-        e = _EXPONENTS[torch.randperm(len(_EXPONENTS), generator=gen)[:b]]
-    else:
-        e = _EXPONENTS[torch.randint(len(_EXPONENTS), (b,), generator=gen)]
-    return torch.pow(2.0, e.to(torch.float64)).to(dtype=dtype, device=device)
 
 
 def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) -> None:
@@ -78,73 +70,141 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
     gradients, None for a streamed call, whose per-example gradients were formed during
     the backward and its g dropped (``parts[call]``: (those gradients, g's dtype, g's
     device), or None where g was None; engine._output_gradients).
-
-    One backward of sum_i w_i L_i. Its gradients are checked as autograd produces them
-    and then dropped (hooks on the recorded outputs' nodes and on the parameters), so the
-    check never holds a second copy of every output gradient and every parameter
-    gradient: on the first chunk that would raise the run's peak memory.
     """
-    from dptrain.clipping.engine import UnsupportedModelError
-
     b = losses.shape[0]
-    w = check_weights(b, losses.dtype, losses.device, seed=engine.self_checks)
-    edges = [call.edge for _, call in calls]
-    # g's dtype and device per call (a streamed call's g is gone: kept in parts), or None
-    g_meta = [
-        parts[call][1:] if parts.get(call) else ((g.dtype, g.device) if g is not None else None)
+    g_dtypes = [
+        parts[call][1] if parts.get(call) else (g.dtype if g is not None else None)
         for (_, call), g in zip(calls, grads, strict=True)
     ]
-    g_dtypes = [None if m is None else m[0] for m in g_meta]
-    g_devices = [None if m is None else m[1] for m in g_meta]
     low = any(d in (torch.bfloat16, torch.float16) for d in g_dtypes)
     dtype = _record_dtype(
         [g for _, g in records.values()]
         + [t for part in parts.values() if part for t in part[0].values()]
     )
-    w_records = w.to(dtype)
     # float32 on a GPU with TF32 matrix products rounds as float16 does (precision.py)
     tol_dtype_of = tolerance_dtypes(engine.model)
     tol = (
         SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[tol_dtype_of(dtype, losses.device)]
     )
-
-    # rows: per recorded output, the weighted gradient against w_i times the plain one
-    row_errors: list[float] = [0.0 if d is None else math.inf for d in g_dtypes]
-    by_node: dict[int, list[int]] = {}
-    for k, edge in enumerate(edges):
-        by_node.setdefault(id(edge.node), []).append(k)
-
-    def rows_hook(node):
-        def hook(grad_outputs):
-            for k in by_node[id(node)]:
-                use, call = calls[k]
-                wg = grad_outputs[edges[k].output_nr]
-                if call in parts:
-                    row_errors[k] = _streamed_rows_error(engine, use, call, parts[call], wg, w)
-                    continue
-                if wg is not None and call.batch_dim:
-                    wg = wg.movedim(call.batch_dim, 0)
-                row_errors[k] = _rows_error(grads[k], wg, w, b)
-
-        return hook
-
-    # completeness: per parameter, (max |mine - auto|, max |auto|, max |mine|)
     names = [
         n
         for n in engine.parameter_names
         if any(engine._recorded(u, records) for u, _ in engine._groups[n])
     ]
+    masks = separating_masks(b).to(losses.device)
+    for k, mask in enumerate(masks):
+        # ghost's second backward follows the last subset: the graph stays for it
+        retain = k < len(masks) - 1 or not engine._sum_from_records
+        seen = _subset_backward(
+            engine, losses, calls, mask, names, retain=retain, records=records, dtype=dtype
+        )
+        _check_sums(engine, names, seen, tol, losses.device)
+    for call in parts:  # a streamed call's input had the check as its last reader
+        call.a = None
+
+
+def rows(engine: ClippingEngine, losses: Tensor, calls, *, retain: bool) -> None:
+    """The rows check alone, on ``calls`` (every chunk, for calls whose rows depend on
+    the data): one backward per subset that runs only down to their modules."""
+    b = losses.shape[0]
+    owners = {id(u): u for u, _ in calls}
+    names = [
+        n for n in engine.parameter_names if any(id(u) in owners for u, _ in engine._groups[n])
+    ]
+    masks = separating_masks(b).to(losses.device)
+    for k, mask in enumerate(masks):
+        _subset_backward(engine, losses, calls, mask, names, retain=retain or k < len(masks) - 1)
+
+
+def frontier(engine: ClippingEngine, losses: Tensor, nodes: list, structural: set[int]) -> list:
+    """The rows check on the tensors that selection ``nodes`` select from; return the
+    nodes whose selected tensor has no example rows (a row count not in ``structural``).
+
+    One backward per subset that stops at those tensors (captured, not run through), so
+    it costs what the graph above them costs: little, for selections near the loss.
+    """
+    from torch.autograd.graph import GradientEdge
+
+    from dptrain.clipping.engine import UnsupportedModelError
+
+    b = losses.shape[0]
+    edges, owner = [], []
+    for node in nodes:
+        for nxt, nr in node.next_functions:
+            if nxt is not None and not hasattr(nxt, "variable"):
+                edges.append(GradientEdge(nxt, nr))
+                owner.append(node)
+    if not edges:
+        return []
+    undecided: dict[int, object] = {}
+    for mask in separating_masks(b).to(losses.device):
+        got = torch.autograd.grad(
+            (losses * mask.to(losses.dtype)).sum(), edges, retain_graph=True, allow_unused=True
+        )
+        for node, g in zip(owner, got, strict=True):
+            if g is None or id(node) in undecided:
+                continue
+            if g.dim() == 0 or g.shape[0] not in structural:
+                undecided[id(node)] = node
+                continue
+            per_example = g.reshape(b, -1)
+            nonzero = (per_example[~mask] != 0).any(1)
+            if bool(nonzero.any()):
+                i = int((~mask).nonzero().flatten()[nonzero.nonzero()[0, 0]])
+                members = [int(j) for j in mask.nonzero().flatten()]
+                raise UnsupportedModelError(
+                    f"the input {tuple(g.shape)} of a selection by index "
+                    f"({type(node).__name__}) in the losses' graph: the rows of example {i} "
+                    f"received gradient from the losses of examples {members} alone. On this "
+                    "chunk the selection sends one example's loss to another example's rows "
+                    "(per-example losses gathered from the wrong rows, or a pooling that "
+                    "picks rows across examples), so clipping cannot bound one example's "
+                    "influence. Select each example's rows from its own row of the batch."
+                )
+    return list(undecided.values())
+
+
+def _subset_backward(
+    engine, losses, calls, mask: Tensor, names, *, retain: bool, records=None, dtype=None
+) -> dict[str, tuple[float, float, float]]:
+    """One backward of sum_{i in mask} L_i: the rows test on every call as its output
+    gradient arrives; with ``records``, each parameter's rules' masked sum against
+    autograd's, as (max |mine - auto|, max |auto|, max |mine|) by name."""
+    from dptrain.clipping.engine import UnsupportedModelError
+
+    b = losses.shape[0]
+    edges = [call.edge for _, call in calls]
+    by_node: dict[int, list[int]] = {}
+    for k, edge in enumerate(edges):
+        by_node.setdefault(id(edge.node), []).append(k)
+    failures: list[tuple[int, int, float]] = []  # (call, example, relative size)
+
+    def rows_hook(node):
+        def hook(grad_outputs):
+            for k in by_node[id(node)]:
+                found = _outside_rows(grad_outputs[edges[k].output_nr], calls[k][1], mask, b)
+                if found is not None:
+                    failures.append((k, *found))
+
+        return hook
+
     params = {id(engine.parameter(n)): n for n in names}
     seen: dict[str, tuple[float, float, float]] = {}
     sums: dict = {}
+    weights = None if records is None else mask.to(dtype)
 
     def param_hook(p):
         name = params[id(p)]
-        present = [(u, attr) for u, attr in engine._groups[name] if engine._recorded(u, records)]
-        mine = engine._weighted_sum_of(name, present, records, w_records, sums)
-        seen[name] = _gaps(mine, p.grad)
+        if records is not None:
+            present = [
+                (u, attr) for u, attr in engine._groups[name] if engine._recorded(u, records)
+            ]
+            mine = engine._weighted_sum_of(name, present, records, weights, sums)
+            seen[name] = _gaps(mine, p.grad)
         p.grad = None  # autograd's gradient is not kept; the engine's is restored below
 
+    if not names:  # nothing recorded reaches a clipped parameter
+        return seen
     saved = {n: engine.parameter(n).grad for n in names}
     handles = [
         e.node.register_prehook(rows_hook(e.node)) for e in {id(e.node): e for e in edges}.values()
@@ -154,44 +214,45 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
         for n in names:
             engine.parameter(n).grad = None
         torch.autograd.backward(
-            (losses * w).sum(),
+            (losses * mask.to(losses.dtype)).sum(),
             inputs=[engine.parameter(n) for n in names],
-            retain_graph=not engine._sum_from_records,  # ghost: its second backward follows
+            retain_graph=retain,
         )
     finally:
         for h in handles:
             h.remove()
         for n, g in saved.items():
             engine.parameter(n).grad = g
+    if failures:
+        k, i, size = min(failures)  # the first call in the model's order, not the backward's
+        use, call = calls[k]
+        members = [int(j) for j in mask.nonzero().flatten()]
+        raise UnsupportedModelError(
+            f"module {use.name} ({type(use.module).__name__}): the rows of its "
+            f"{_describe(call, b)} are not one per example: the rows read as example {i}'s "
+            f"received gradient from the losses of examples {members} alone, which do not "
+            f"include {i} (relative size {size:.2e}; any amount is a leak). Clipping them would "
+            "not bound one example's influence. " + _row_causes(call, b)
+        )
+    if records is not None:  # parameters autograd gave no gradient: compared with zero
+        for name in names:
+            if name not in seen:
+                present = [
+                    (u, attr) for u, attr in engine._groups[name] if engine._recorded(u, records)
+                ]
+                mine = engine._weighted_sum_of(name, present, records, weights, sums)
+                seen[name] = _gaps(mine, None)
+    return seen
 
-    for (use, call), g_dtype, g_device, err in zip(
-        calls, g_dtypes, g_devices, row_errors, strict=True
-    ):
-        # float32 under TF32 on a GPU is checked at float16's tolerance (precision.py)
-        tol_dtype = torch.float32 if g_dtype is None else tol_dtype_of(g_dtype, g_device)
-        if err > ROW_TOLERANCE.get(tol_dtype, 1e-5):
-            raise UnsupportedModelError(
-                f"module {use.name} ({type(use.module).__name__}): the rows of its "
-                f"{_describe(call, b)} are not one per example: re-weighting each example's "
-                f"loss changed row i by more than that example's weight (relative error "
-                f"{err:.2e}). Example i's loss reaches rows of other examples, so clipping "
-                "these rows would not bound one example's influence. Typical causes: a table "
-                f"shared by all examples whose length equals the chunk size ({b}; pass its "
-                "ids with a batch dimension, shape (1, T), or change max_physical_batch_size), "
-                "a time-first (T, B, ...) tensor with T = B, or an operation that mixes "
-                "examples (batch statistics, in-batch negatives in the loss)."
-            )
 
+def _check_sums(engine, names, seen, tol: float, device) -> None:
+    """Refuse a parameter whose rules' sum is not autograd's (relative, within ``tol``)."""
+    from dptrain.clipping.engine import UnsupportedModelError
+
+    tol_dtype_of = tolerance_dtypes(engine.model)
     # A parameter whose gradient is zero by symmetry (BERT's key bias: softmax ignores
     # a shift shared by all keys) has only rounding noise to compare: its scale is
     # floored at sqrt(tol) times the largest gradient of the model.
-    for name in names:  # parameters autograd gave no gradient: compared with zero
-        if name not in seen:
-            present = [
-                (u, attr) for u, attr in engine._groups[name] if engine._recorded(u, records)
-            ]
-            mine = engine._weighted_sum_of(name, present, records, w_records, sums)
-            seen[name] = _gaps(mine, None)
     floor = math.sqrt(tol) * max((auto for _, auto, _ in seen.values()), default=0.0)
     for name in names:
         diff, auto, mine = seen[name]
@@ -199,7 +260,7 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
         err = diff / scale if scale > 0 else 0.0
         ptol = tol
         if any(u.rule.float32_inside for u, _ in engine._groups[name]):
-            ptol = max(tol, SUM_TOLERANCE[tol_dtype_of(torch.float32, losses.device)])
+            ptol = max(tol, SUM_TOLERANCE[tol_dtype_of(torch.float32, device)])
         if err > ptol:
             owners = ", ".join(
                 f"{u.name} ({type(u.module).__name__})" for u, _ in engine._groups[name]
@@ -213,6 +274,47 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
             )
 
 
+def _outside_rows(g: Tensor | None, call, mask: Tensor, b: int) -> tuple[int, float] | None:
+    """(first example outside ``mask`` whose rows of ``g`` are not all zero, their size
+    relative to g's largest example), or None where all are zero (exactly)."""
+    if g is None:  # no gradient reached this output: zero everywhere
+        return None
+    if call.batch_dim:
+        g = g.movedim(call.batch_dim, 0)
+    per_example = g.reshape(b, -1)  # rows, blocks (example-major) or an expanded table
+    nonzero = (per_example[~mask] != 0).any(1)  # NaN != 0: a NaN row is not zero either
+    if not bool(nonzero.any()):
+        return None
+    outside = (~mask).nonzero().flatten()
+    i = int(outside[nonzero.nonzero()[0, 0]])
+    norms = per_example.double().norm(dim=1)
+    top = float(norms.max())
+    return i, float(norms[i]) / top if top > 0 else float("inf")
+
+
+def _row_causes(call, b: int) -> str:
+    if call.expanded_to is not None:
+        return (
+            f"A table shared by all examples was read per example; pass its ids with a "
+            f"batch dimension, or change max_physical_batch_size from {b}."
+        )
+    if call.out_shape[0] != b:
+        return (
+            f"Its first dimension holds {call.out_shape[0]} rows for {b} examples, read as "
+            f"blocks of {call.out_shape[0] // b} consecutive rows per example: rows selected "
+            "by the data (tokens with labels, routed tokens) in other numbers per example "
+            "are not such blocks. Apply the module to every token (B, T, ...) and select "
+            "afterwards, in the loss."
+        )
+    return (
+        "Typical causes: a table shared by all examples whose length equals the chunk size "
+        f"({b}; pass its ids with a batch dimension, shape (1, T), or change "
+        "max_physical_batch_size), a time-first (T, B, ...) tensor with T = B, an operation "
+        "that mixes examples (batch statistics, attention across the batch), or a loss with "
+        "in-batch negatives."
+    )
+
+
 def _gaps(mine: Tensor | None, auto: Tensor | None) -> tuple[float, float, float]:
     """(max |mine - auto|, max |auto|, max |mine|), None read as zero."""
     if mine is None and auto is None:
@@ -223,36 +325,6 @@ def _gaps(mine: Tensor | None, auto: Tensor | None) -> tuple[float, float, float
     if not ref.numel():
         return 0.0, 0.0, 0.0
     return float((mine - auto).abs().max()), float(auto.abs().max()), float(mine.abs().max())
-
-
-def _rows_error(g: Tensor | None, wg: Tensor | None, w: Tensor, b: int) -> float:
-    """max_i ||wg_i - w_i g_i|| / max_i ||w_i g_i|| (0 where both are absent or zero)."""
-    if g is None and wg is None:
-        return 0.0
-    if g is None or wg is None:
-        return float("inf")
-    g = g.reshape(b, -1).to(torch.float64)
-    wg = wg.reshape(b, -1).to(torch.float64)
-    want = g * w.to(torch.float64)[:, None]
-    scale = float(want.norm(dim=1).max())
-    diff = float((wg - want).norm(dim=1).max())
-    if scale == 0:
-        return 0.0 if diff == 0 else float("inf")
-    return diff / scale
-
-
-def _streamed_rows_error(engine, use, call, part, wg: Tensor | None, w: Tensor) -> float:
-    """The rows test for a streamed call, whose g was not kept: on what the engine reads
-    from row i, example i's gradient. Formed from the re-weighted g it must be w_i times
-    the one formed from g; a row carrying another example's loss changes it unless that
-    contribution vanishes in example i's gradient, the quantity clipped (part: the
-    call's per-example gradients, g's dtype and device, or None where g was None)."""
-    b = w.shape[0]
-    if part is None or wg is None:
-        return 0.0 if part is None and wg is None else math.inf
-    weighted = engine._call_per_example(use, call, wg, b)
-    call.a = None  # its last reader: the input goes as this backward frees the graph
-    return max((_rows_error(v, weighted[k], w, b) for k, v in part[0].items()), default=0.0)
 
 
 def _describe(call, b: int) -> str:

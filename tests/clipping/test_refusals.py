@@ -345,28 +345,24 @@ class Inputs:
         self.attention_mask = attention_mask
 
 
-def test_output_whose_first_dimension_is_not_the_batch_size_is_refused():
-    # Batch size unknown at the forward: the (1, T) position lookup is not expanded per
-    # example, and its (1, T, k) output would mix the examples' gradients.
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+def test_shared_positions_need_no_batch_size_at_the_forward(mode):
+    # Batch size unknown at the forward (a container the engine does not look into): the
+    # (1, T) position table's rows are found at the backward, where its (1, T, k) output is
+    # added to the (B, T, k) token embeddings (shared_table.py). It used to be refused.
+    from tests.clipping.oracle_check import assert_engine_matches_oracle
+
+    torch.manual_seed(0)
     model = DictBatchModel().double()
-    engine = ClippingEngine(model, 1.0)
     ids = torch.randint(0, 11, (3, 6), generator=torch.Generator().manual_seed(0))
-    out = model(Inputs(ids, torch.ones(3, 6, dtype=torch.long)))
-    losses = nn.functional.cross_entropy(out, torch.tensor([0, 1, 2]), reduction="none")
-    with refuses(
-        "module positions (Embedding) produced an output of shape (1, 6, 4) for 3 per-example "
-        "losses: its first dimension is not the batch size, so its per-example gradients would "
-        "be mixed (if the model takes its inputs in an unusual container, pass input_ids= or a "
-        "tensor as the first argument)"
-    ):
-        engine.backward(losses)
-    assert all(p.grad is None for p in model.parameters())  # nothing half-added
-    # the same model called with a dict is clipped: the positions are expanded per example
-    batch = {"input_ids": ids, "attention_mask": torch.ones(3, 6, dtype=torch.long)}
-    losses = nn.functional.cross_entropy(model(batch), torch.tensor([0, 1, 2]), reduction="none")
-    engine.backward(losses)
-    assert model.positions.weight.grad is not None
-    engine.detach()
+    mask = torch.ones(3, 6, dtype=torch.long)
+    y = torch.tensor([0, 1, 2])
+
+    def losses_of(sl):
+        out = model(Inputs(ids[sl], mask[sl]))
+        return nn.functional.cross_entropy(out, y[sl], reduction="none")
+
+    assert_engine_matches_oracle(model, losses_of, 3, mode=mode)
 
 
 # -- position ids without a batch dimension ------------------------------------------------
@@ -406,20 +402,14 @@ def test_one_d_positions_are_clipped_per_example_when_t_differs_from_b(mode):
     check(model, losses_of, 3, mode=mode)
 
 
-def test_one_d_positions_are_refused_when_t_equals_b_at_the_first_chunk():
-    # (T,) positions and (B,) per-example ids look alike when T == B. Seen only with
-    # T == B, the lookup is read as per-example rows, and the exact check refuses it.
-    model, losses_of, _ = _nano_case(batch=5, seq=5)
-    engine = ClippingEngine(model, 1.0)
-    with pytest.raises(
-        UnsupportedModelError,
-        match=re.escape(
-            "module positions (Embedding): the rows of its input (5,) / output (5, 4) "
-            "(5 examples) are not one per example"
-        ),
-    ):
-        engine.backward(losses_of(slice(None)))
-    engine.detach()
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+def test_one_d_positions_are_exact_when_t_equals_b_at_the_first_chunk(mode):
+    # (T,) positions and (B,) per-example ids look alike when T == B. What tells them apart
+    # is structure: the (T, k) output is broadcast over the batch where it is added to the
+    # (B, T, k) token embeddings, so it is a shared table (shared_table.py); the exact check
+    # verifies the rows of that sum. (Until the engine read the broadcast, this was refused.)
+    model, losses_of, check = _nano_case(batch=5, seq=5)
+    check(model, losses_of, 5, mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["book_keeping", "ghost"])

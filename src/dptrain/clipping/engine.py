@@ -58,7 +58,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dptrain._checks import check_positive
-from dptrain.clipping import independence, self_check
+from dptrain.clipping import independence, self_check, shared_table
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
 from dptrain.clipping.graph_check import (
     SELECTIONS,
@@ -145,7 +145,11 @@ class _Call:
     in_nodes: list
     """Graph nodes of the call's tensor inputs: where the module's own operations end."""
     expanded_to: int | None = None
-    """The batch size a shared table's output was expanded to in the forward, or None."""
+    """For a table shared by all examples: the number of examples its output is broadcast
+    to (``a``: the ids repeated per example; ``edge``: the broadcast's output), or None."""
+    shared: bool = False
+    """Looked up with ids every example may share ((T,) or (1, T)): which rows are whose is
+    found at the backward, where the output is broadcast over the batch (shared_table.py)."""
     batch_dim: int = 0
     """The dimension of the output that holds the examples (1 for a time-first module)."""
     inputs: tuple | None = None
@@ -229,9 +233,6 @@ class ClippingEngine:
         # Per-example gradients of instantiated modules, kept for the sum: formed during the
         # backward for streamed modules (see _output_gradients), else from their records.
         self._per_example: dict[_Use, dict[str, Tensor]] = {}
-        # (module, call index) of shared tables seen where their length differed from the
-        # batch size: such a call stays a shared table when a later chunk's size coincides.
-        self._shared_calls: set[tuple[str, int]] = set()
         # Rules that read this backward's records differently from the module's rule: the
         # unfolded view of a raw-layout rule called several times (see _records).
         self._views: dict[_Use, LayerRule] = {}
@@ -471,40 +472,20 @@ class ClippingEngine:
                 a = edge_node._saved_indices
                 if edge_node is output.grad_fn:
                     edge_node = None  # the lookup's output is the module's: as a plain Embedding
-            shape = self._batch_shape
-            b = None if shape is None else shape[0]
-            call_index = len(use.calls)
-            expanded_to = None
-            if (
-                b is not None
-                and isinstance(use.rule, EmbeddingRule)
-                and output.dim() in (2, 3)
-                and (a.dim() == 1 or (a.dim() == 2 and a.shape[0] == 1))
-                and output.shape[0] == a.shape[0]
-                and (a.shape[0] != b or (use.name, call_index) in self._shared_calls)
-            ):
-                # A table shared by all examples (position ids of shape (T,) or (1, T)):
-                # give every example its own copy so its gradient stays separate. Where
-                # T == b and the call was never seen with T != b, this is not done: the
-                # call is taken as per-example rows and the exact check decides.
-                if a.shape[0] != b:
-                    self._shared_calls.add((use.name, call_index))
-                a = a.reshape(1, -1).expand(b, -1)
-                output = output.reshape(1, *output.shape[-2:]).expand(b, -1, -1)
-                expanded_to = b
             if edge_node is not None:
                 # Rows scaled (or otherwise changed) after the lookup: record the gradient
                 # with respect to the looked-up rows themselves, (*ids.shape, d).
-                if expanded_to is not None or a.dim() == 0:
+                if a.dim() == 0:
                     raise UnsupportedModelError(
-                        f"module {use.name} ({type(module).__name__}) changes the rows of a table "
-                        "shared by all examples after looking them up: not supported"
+                        f"module {use.name} ({type(module).__name__}) changes the row of a table "
+                        "shared by all examples (scalar ids) after looking it up: not supported"
                     )
                 edge = GradientEdge(edge_node, 0)
                 out_shape = (*a.shape, module.weight.shape[1])
             else:
                 edge = get_gradient_edge(output)
                 out_shape = tuple(output.shape)
+            call_index = len(use.calls)
             use.calls.append(
                 _Call(
                     index=call_index,
@@ -512,11 +493,15 @@ class ClippingEngine:
                     edge=edge,
                     out_shape=out_shape,
                     in_nodes=in_nodes,
-                    expanded_to=expanded_to,
+                    # ids all examples may share ((T,) or (1, T): positions, a soft prompt's
+                    # arange(K)): the output stays as the module returned it, and the backward
+                    # reads the examples' rows where it is broadcast (shared_table.py)
+                    shared=isinstance(use.rule, EmbeddingRule)
+                    and shared_table.looks_shared(tuple(a.shape), out_shape),
                     low_precision=_low_precision(a, output),
                 )
             )
-            return output if expanded_to is not None else None
+            return None
 
         return hook
 
@@ -899,6 +884,8 @@ class ClippingEngine:
                 "escape per-example clipping. Move the computation into a module the engine "
                 "clips (e.g. an nn.Linear), or register a rule for the module that uses them."
             )
+        # Tables shared by all examples: their rows per example, where the batch is broadcast
+        shared_table.resolve(live, seen, losses.shape[0])
         return live
 
     def _describe_use(self, name: str, node: str) -> str:

@@ -7,8 +7,9 @@ examples along the first dimension, in one of three layouts:
 - ``blocks``: dimension 0 has k rows per example, example-major (B * k, ...),
   as when a model flattens its tokens to (B * T, d) before a linear layer;
 - ``shared``: a table used by every example (position ids of shape (T,) or
-  (1, T)); the engine expanded its output to (B, T, d) in the forward, so
-  each example's gradient reaches its own copy.
+  (1, T)); its output stays as the module returned it, and the rows are read
+  where it is broadcast over the batch, (B, T, d), one copy per example
+  (:mod:`dptrain.clipping.shared_table`).
 
 Sizes alone cannot tell these apart: a shared table of length B, a time-first
 (T, B, d) tensor with T = B, or an operation that mixes the examples all give

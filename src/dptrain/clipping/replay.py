@@ -31,11 +31,12 @@ import inspect
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from dptrain.clipping.layout import example_slice
 from dptrain.clipping.rules import RULES, LayerRule, _param, weighted_sum
 
-__all__ = ["MultiheadAttentionRule", "ReplayRule"]
+__all__ = ["MultiheadAttentionRule", "ParametrizedRule", "ReplayRule"]
 
 
 class ReplayRule(LayerRule):
@@ -190,3 +191,58 @@ class MultiheadAttentionRule(ReplayRule):
 
 
 RULES[nn.MultiheadAttention] = MultiheadAttentionRule()
+
+
+#: Parametrizations that write state in a training forward: the power iteration of
+#: ``torch.nn.utils.parametrizations.spectral_norm`` updates its buffers ``_u`` and ``_v``.
+STATEFUL_PARAMETRIZATIONS = {"_SpectralNorm": "its power iteration writes the buffers _u and _v"}
+
+
+class ParametrizedRule(ReplayRule):
+    """A module with ``torch.nn.utils.parametrize`` parametrizations (``weight_norm``,
+    ``orthogonal``, a custom one): replayed per example with its parametrized tensors
+    recomputed from their originals in every replay, so example i's gradient reaches the
+    originals (``parametrizations.weight.original0`` ...) through the parametrization.
+
+    The parametrization is called inside the module's forward (reading ``module.weight``),
+    so the module's recorded call covers it; the ``parametrizations`` submodules get no
+    rule of their own. A parametrization that writes state in a training forward
+    (``spectral_norm``'s power iteration) is refused by name: a replay would run it again
+    and compute another weight.
+    """
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> ReplayRule:
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        inner = [
+            f"parametrizations.{n}"
+            for n, p in module.parametrizations.named_parameters()
+            if p.requires_grad
+        ]
+        return cls((*own, *inner))
+
+    def claimed_modules(self, module: nn.Module) -> list[nn.Module]:
+        return list(module.parametrizations.modules())
+
+    def check(self, module: nn.Module) -> str | None:
+        base = type(module).__mro__[1].__name__  # ParametrizedLinear -> Linear
+        for tensor_name, plist in module.parametrizations.items():
+            for p in plist:
+                why = STATEFUL_PARAMETRIZATIONS.get(type(p).__name__)
+                if why is not None:
+                    return (
+                        f"{base} with a parametrization on {tensor_name} ({type(p).__name__}): "
+                        f"{why} in every training forward (state written in forward), and the "
+                        "per-example replay that clips it would run it again, on another "
+                        "weight. Remove it (torch.nn.utils.parametrize.remove_parametrizations("
+                        f"module, {tensor_name!r})) or freeze the module's parameters"
+                    )
+        return None
+
+
+def parametrized_rule(module: nn.Module) -> ParametrizedRule | None:
+    """The rule template for a module with parametrizations, or None for other modules."""
+    return _PARAMETRIZED if parametrize.is_parametrized(module) else None
+
+
+_PARAMETRIZED = ParametrizedRule()

@@ -495,7 +495,15 @@ def find_rule(module: nn.Module) -> LayerRule | None:
 
     Subclasses do not inherit their parent's rule: a subclass may change
     ``forward`` (LoRA, quantised layers), and a wrong rule would clip wrongly
-    without any sign. Register such types explicitly.
+    without any sign. Register such types explicitly. A module with
+    ``torch.nn.utils.parametrize`` parametrizations (a new type per module) gets the
+    replaying :class:`~dptrain.clipping.replay.ParametrizedRule`.
     """
     rule = RULES.get(type(module))
-    return rule if rule is not None else RULES_BY_NAME.get(_type_name(type(module)))
+    if rule is None:
+        rule = RULES_BY_NAME.get(_type_name(type(module)))
+    if rule is None:  # torch.nn.utils.parametrize makes a new type per parametrized module
+        from dptrain.clipping.replay import parametrized_rule  # (replay.py imports this module)
+
+        rule = parametrized_rule(module)
+    return rule

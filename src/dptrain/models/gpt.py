@@ -36,12 +36,11 @@ Two details matter for per-example gradients:
 
 - the position embedding is looked up with ``torch.arange(T)[None]`` of shape
   (1, T), and its (1, T, d) output is broadcast over the batch, as Hugging Face
-  GPT-2 does (nanoGPT looks up a 1-D (T,) arange). The per-example rule for
-  ``wpe`` gives every example its own copy of the shared positions (row t of
-  an example's ``wpe`` gradient is that example's gradient with respect to the
-  embedding output at position t). A batch dimension of 1 keeps this
-  unambiguous: a 1-D (T,) lookup cannot be told apart from per-example ids
-  when a chunk happens to hold T examples, and the engine refuses it then;
+  GPT-2 does (nanoGPT looks up a 1-D (T,) arange, which works as well). The
+  clipping engine leaves that output as it is and reads each example's
+  gradient with respect to the positions where it is added to the (B, T, d)
+  token embeddings (row i of that sum is example i's; see
+  :mod:`dptrain.clipping.shared_table`);
 - with ``tie_embeddings=True``, ``lm_head.weight`` is the same ``Parameter``
   object as ``wte.weight``, so that one matrix receives gradients from both an
   Embedding and a Linear (the case phantom clipping handles).

@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from dptrain._checks import check_positive
 from dptrain.clipping import independence, self_check, shared_table
+from dptrain.clipping.errors import UnsupportedModelError
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
 from dptrain.clipping.graph_check import (
     SELECTIONS,
@@ -93,10 +94,6 @@ CLIPPING_MODES = ("book_keeping", "ghost")
 NORM_METHODS = ("auto", "ghost", "instantiate")
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-class UnsupportedModelError(ValueError):
-    """The model has parts the engine cannot clip per example."""
 
 
 @dataclass
@@ -590,11 +587,11 @@ class ClippingEngine:
             new_patterns, by_data = self._layouts(active, live, b)
             check = b > 1 and (bool(new_patterns) or self._graph_signature not in self._graphs)
             if check:  # before the output gradients exist: the re-runs need their memory
-                independence.run(self, active, b)
+                independence.run(_CheckView(self), active, b)
             else:  # rows that the data decide: the rows check on every chunk
                 by_data += self._below_selections(losses, live, by_data, b)
                 if by_data:
-                    self_check.rows(self, losses, by_data, retain=True)
+                    self_check.rows(_CheckView(self), losses, by_data, retain=True)
             calls = [(u, c) for u in active for c in live[u]]
             # Ghost's second backward would form sum_i c_i g_i in the calls' own precision:
             # in bf16 that sum differs from the one whose norms were clipped (one record
@@ -615,7 +612,7 @@ class ClippingEngine:
             )
             records = self._records(active, live, grads, b)
             if check:
-                self_check.run(self, losses, calls, grads, records, parts)
+                self_check.run(_CheckView(self), losses, calls, grads, records, parts)
                 self._verified |= new_patterns
                 self._graphs.add(self._graph_signature)
                 self.self_checks += 1
@@ -790,7 +787,7 @@ class ClippingEngine:
             return []
         shape = self._batch_shape or (b,)
         structural = {b * math.prod(shape[1:j]) for j in range(1, len(shape) + 1)}
-        undecided = self_check.frontier(self, losses, self._selections, structural)
+        undecided = self_check.frontier(losses, self._selections, structural)
         if not undecided:
             return []
         under: dict[int, object] = {}
@@ -1387,6 +1384,42 @@ class ClippingEngine:
         """The clipped parameter called ``name`` (see :attr:`parameter_names`)."""
         module, attr = self._groups[name][0]
         return _param(module.module, attr)
+
+
+class _CheckView:
+    """The engine as its checks see it (:mod:`dptrain.clipping.check_interface`)."""
+
+    def __init__(self, engine: ClippingEngine):
+        self._engine = engine
+        self.model = engine.model
+        self.sums_from_records = engine._sum_from_records
+        self.root_inputs = engine._root_inputs
+        self.root_random_state = engine._root_random_state
+        self.sizes_by_data = engine._sizes_by_data
+
+    def reached(self, records: dict) -> list[str]:
+        e = self._engine
+        return [n for n in e._groups if any(e._recorded(u, records) for u, _ in e._groups[n])]
+
+    def parameters_of(self, uses) -> list[str]:
+        mine = {id(u) for u in uses}
+        return [
+            n for n, owners in self._engine._groups.items() if any(id(u) in mine for u, _ in owners)
+        ]
+
+    def parameter(self, name: str) -> nn.Parameter:
+        return self._engine.parameter(name)
+
+    def owners(self, name: str) -> list[_Use]:
+        return [u for u, _ in self._engine._groups[name]]
+
+    def weighted_sum(self, name: str, records: dict, weights: Tensor, cache: dict):
+        e = self._engine
+        present = [(u, attr) for u, attr in e._groups[name] if e._recorded(u, records)]
+        return e._weighted_sum_of(name, present, records, weights, cache)
+
+    def probe(self, args: tuple, kwargs: dict) -> dict:
+        return self._engine._probe_inputs(args, kwargs)
 
 
 class _Slots:

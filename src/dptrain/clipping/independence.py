@@ -59,11 +59,12 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dptrain.clipping.errors import UnsupportedModelError
 from dptrain.clipping.precision import tolerance_dtypes
 from dptrain.clipping.separation import separating_masks
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dptrain.clipping.engine import ClippingEngine
+    from dptrain.clipping.check_interface import Reruns
 
 __all__ = [
     "INPUT_TOLERANCE",
@@ -90,33 +91,31 @@ class UnsupportedInputsWarning(UserWarning):
     """The independence check could not verify some module's inputs on a chunk."""
 
 
-def run(engine: ClippingEngine, uses, b: int) -> None:
+def run(engine: Reruns, uses, b: int) -> None:
     """Raise :class:`~dptrain.clipping.UnsupportedModelError` if an example's inputs to
     a clipped module depend on the other examples of the chunk."""
-    from dptrain.clipping.engine import UnsupportedModelError
-
-    if b < 2 or engine._root_inputs is None:
+    if b < 2 or engine.root_inputs is None:
         return
-    tree = engine._root_inputs
+    tree = engine.root_inputs
     unverified: dict[str, None] = {}
     tol_dtype_of = tolerance_dtypes(engine.model)  # float32 under TF32: float16's
 
     def tolerance(x) -> float:
-        if not engine._sizes_by_data:
+        if not engine.sizes_by_data:
             return 0.0
         (_, dtype, values) = x
         return INPUT_TOLERANCE.get(tol_dtype_of(dtype, values.device), 0.0)
 
-    with _replays(engine.model, engine._root_random_state) as restart:
+    with _replays(engine.model, engine.root_random_state) as restart:
         restart()
-        base = engine._probe_inputs(*tree)
+        base = engine.probe(*tree)
         for mask in separating_masks(b):
             replaced = _replaced(tree, mask, b)
             if replaced is None:  # the examples outside are copies of those inside
                 continue
             restart()
             try:
-                got = engine._probe_inputs(*replaced)
+                got = engine.probe(*replaced)
             except Exception as e:  # a model that cannot run on its own examples reordered
                 warnings.warn(
                     f"dptrain could not run the model on the chunk with some examples replaced "

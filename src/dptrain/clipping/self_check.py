@@ -44,11 +44,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from dptrain.clipping.errors import UnsupportedModelError
 from dptrain.clipping.precision import tolerance_dtypes
 from dptrain.clipping.separation import separating_masks
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dptrain.clipping.engine import ClippingEngine
+    from dptrain.clipping.check_interface import Sums
 
 __all__ = ["SUM_TOLERANCE", "frontier", "rows", "run"]
 
@@ -63,13 +64,13 @@ SUM_TOLERANCE = {
 }
 
 
-def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) -> None:
+def run(engine: Sums, losses: Tensor, calls, grads, records, parts) -> None:
     """Raise :class:`~dptrain.clipping.UnsupportedModelError` if the chunk fails the check.
 
     ``calls``: every recorded (use, call) the losses depend on; ``grads``: their output
     gradients, None for a streamed call, whose per-example gradients were formed during
     the backward and its g dropped (``parts[call]``: (those gradients, g's dtype, g's
-    device), or None where g was None; engine._output_gradients).
+    device), or None where g was None).
     """
     b = losses.shape[0]
     g_dtypes = [
@@ -86,15 +87,11 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
     tol = (
         SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[tol_dtype_of(dtype, losses.device)]
     )
-    names = [
-        n
-        for n in engine.parameter_names
-        if any(engine._recorded(u, records) for u, _ in engine._groups[n])
-    ]
+    names = engine.reached(records)
     masks = separating_masks(b).to(losses.device)
     for k, mask in enumerate(masks):
         # ghost's second backward follows the last subset: the graph stays for it
-        retain = k < len(masks) - 1 or not engine._sum_from_records
+        retain = k < len(masks) - 1 or not engine.sums_from_records
         seen = _subset_backward(
             engine, losses, calls, mask, names, retain=retain, records=records, dtype=dtype
         )
@@ -103,20 +100,17 @@ def run(engine: ClippingEngine, losses: Tensor, calls, grads, records, parts) ->
         call.a = None
 
 
-def rows(engine: ClippingEngine, losses: Tensor, calls, *, retain: bool) -> None:
+def rows(engine: Sums, losses: Tensor, calls, *, retain: bool) -> None:
     """The rows check alone, on ``calls`` (every chunk, for calls whose rows depend on
     the data): one backward per subset that runs only down to their modules."""
     b = losses.shape[0]
-    owners = {id(u): u for u, _ in calls}
-    names = [
-        n for n in engine.parameter_names if any(id(u) in owners for u, _ in engine._groups[n])
-    ]
+    names = engine.parameters_of({id(u): u for u, _ in calls}.values())
     masks = separating_masks(b).to(losses.device)
     for k, mask in enumerate(masks):
         _subset_backward(engine, losses, calls, mask, names, retain=retain or k < len(masks) - 1)
 
 
-def frontier(engine: ClippingEngine, losses: Tensor, nodes: list, structural: set[int]) -> list:
+def frontier(losses: Tensor, nodes: list, structural: set[int]) -> list:
     """The rows check on the tensors that selection ``nodes`` select from; return the
     nodes whose selected tensor has no example rows (a row count not in ``structural``).
 
@@ -124,8 +118,6 @@ def frontier(engine: ClippingEngine, losses: Tensor, nodes: list, structural: se
     it costs what the graph above them costs: little, for selections near the loss.
     """
     from torch.autograd.graph import GradientEdge
-
-    from dptrain.clipping.engine import UnsupportedModelError
 
     b = losses.shape[0]
     edges, owner = [], []
@@ -165,13 +157,11 @@ def frontier(engine: ClippingEngine, losses: Tensor, nodes: list, structural: se
 
 
 def _subset_backward(
-    engine, losses, calls, mask: Tensor, names, *, retain: bool, records=None, dtype=None
+    engine: Sums, losses, calls, mask: Tensor, names, *, retain: bool, records=None, dtype=None
 ) -> dict[str, tuple[float, float, float]]:
     """One backward of sum_{i in mask} L_i: the rows test on every call as its output
     gradient arrives; with ``records``, each parameter's rules' masked sum against
     autograd's, as (max |mine - auto|, max |auto|, max |mine|) by name."""
-    from dptrain.clipping.engine import UnsupportedModelError
-
     b = losses.shape[0]
     edges = [call.edge for _, call in calls]
     by_node: dict[int, list[int]] = {}
@@ -196,11 +186,7 @@ def _subset_backward(
     def param_hook(p):
         name = params[id(p)]
         if records is not None:
-            present = [
-                (u, attr) for u, attr in engine._groups[name] if engine._recorded(u, records)
-            ]
-            mine = engine._weighted_sum_of(name, present, records, weights, sums)
-            seen[name] = _gaps(mine, p.grad)
+            seen[name] = _gaps(engine.weighted_sum(name, records, weights, sums), p.grad)
         p.grad = None  # autograd's gradient is not kept; the engine's is restored below
 
     if not names:  # nothing recorded reaches a clipped parameter
@@ -237,18 +223,12 @@ def _subset_backward(
     if records is not None:  # parameters autograd gave no gradient: compared with zero
         for name in names:
             if name not in seen:
-                present = [
-                    (u, attr) for u, attr in engine._groups[name] if engine._recorded(u, records)
-                ]
-                mine = engine._weighted_sum_of(name, present, records, weights, sums)
-                seen[name] = _gaps(mine, None)
+                seen[name] = _gaps(engine.weighted_sum(name, records, weights, sums), None)
     return seen
 
 
 def _check_sums(engine, names, seen, tol: float, device) -> None:
     """Refuse a parameter whose rules' sum is not autograd's (relative, within ``tol``)."""
-    from dptrain.clipping.engine import UnsupportedModelError
-
     tol_dtype_of = tolerance_dtypes(engine.model)
     # A parameter whose gradient is zero by symmetry (BERT's key bias: softmax ignores
     # a shift shared by all keys) has only rounding noise to compare: its scale is
@@ -259,12 +239,10 @@ def _check_sums(engine, names, seen, tol: float, device) -> None:
         scale = max(auto, mine, floor)
         err = diff / scale if scale > 0 else 0.0
         ptol = tol
-        if any(u.rule.float32_inside for u, _ in engine._groups[name]):
+        if any(u.rule.float32_inside for u in engine.owners(name)):
             ptol = max(tol, SUM_TOLERANCE[tol_dtype_of(torch.float32, device)])
         if err > ptol:
-            owners = ", ".join(
-                f"{u.name} ({type(u.module).__name__})" for u, _ in engine._groups[name]
-            )
+            owners = ", ".join(f"{u.name} ({type(u.module).__name__})" for u in engine.owners(name))
             raise UnsupportedModelError(
                 f"parameter {name}: the gradient the engine reconstructs from the recorded "
                 f"calls of {owners} differs from autograd's by {err:.2e} (relative). The rule "

@@ -42,6 +42,8 @@ import math
 
 from torch.autograd.graph import GradientEdge
 
+from dptrain.clipping.errors import UnsupportedModelError
+
 __all__ = ["looks_shared", "resolve"]
 
 #: Autograd nodes that pass O on with its elements in the same order (same numel).
@@ -103,8 +105,6 @@ def resolve(live: dict, graph: dict[int, object], b: int) -> None:
             refused.append(_why(use, call, b, other, wrong))
         # else: ids of length b may be per-example rows; the self-check decides
     if refused:
-        from dptrain.clipping.engine import UnsupportedModelError
-
         raise UnsupportedModelError(
             "dptrain refuses to train this model: "
             + "; ".join(refused)

@@ -1050,8 +1050,8 @@ class ClippingEngine:
         while a retained graph holds every activation fragments the heap: +280 MB
         resident for SmolLM2 LoRA on the checked chunk, with glibc.)
         ``parts``: a dict on a checked chunk, which then gets each streamed call's
-        (per-example gradients, g's dtype, g's device), or None where g was None, and
-        keeps the calls' inputs for the self-check's second look (self_check.py).
+        (per-example gradients, g's dtype, g's device), or None where g was None (for
+        the self-check's completeness test and tolerances, self_check.py).
         """
         wanted = [c.edge for u, c in calls if u not in streamed]
         if streamed:
@@ -1104,12 +1104,11 @@ class ClippingEngine:
         elif parts is None:
             for k, v in grads.items():
                 acc[k].add_(v)
-        else:  # out of place: a checked call's own part stays as it was for the self-check
+        else:  # out of place: a checked call's own part stays as it was (parts)
             self._per_example[use] = {k: acc[k] + v for k, v in grads.items()}
         if parts is not None:
             parts[call] = (grads, g.dtype, g.device)
-        else:
-            call.a = None  # its last reader: the input goes when autograd frees it
+        call.a = None  # its last reader: the input goes when autograd frees it
 
     def _call_per_example(self, use: _Use, call: _Call, g: Tensor, b: int) -> dict[str, Tensor]:
         """One call's per-example gradients {name: (b, *shape)} from its input and ``g``."""

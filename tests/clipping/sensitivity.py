@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from copy import deepcopy
 
 import torch
 from torch import Tensor, nn
@@ -90,6 +91,65 @@ def sensitivity(
     except UnsupportedModelError:
         return REFUSED, float("nan")
     worst = max(float((x - y).norm()) for x, y in itertools.combinations(sums, 2))
+    assert worst <= max_grad_norm * (1 + slack) + SLACK, (
+        f"one record moved the clipped sum by {worst / max_grad_norm:.3f} C (mode={mode})"
+    )
+    return PRIVATE, worst / max_grad_norm
+
+
+def neighbour_sensitivity(
+    model: nn.Module,
+    chunks_of: Callable[[nn.Module, int], list[Callable[[], Tensor]]],
+    variants: int,
+    *,
+    max_grad_norm: float = 1.0,
+    mode: str = "book_keeping",
+    slack: float = SLACK,
+    between: Callable[[nn.Module], None] | None = None,
+) -> tuple[str, float]:
+    """The bound over neighbouring data where the forward itself may carry the record:
+    (REFUSED, nan) or (PRIVATE, max distance / C); asserts the bound.
+
+    Variant v runs a fresh copy of ``model`` (its state included) through the chunks
+    ``chunks_of(copy, v)`` in order, each a thunk returning per-example losses for one
+    clipped backward (``p.grad`` cleared before each, no optimizer step). Variant 0 is
+    the data without the record; the others hold it (as it is, an outlier, ...). The
+    last chunk's clipped sum of each may differ from variant 0's by at most C (adding
+    or removing one record). With the record in the last chunk this bounds mixing in
+    the forward (batch statistics), which scaling its loss cannot see; with the record
+    only in an earlier chunk, state that a forward wrote (then the last chunk should
+    not move at all). ``between(copy)`` runs after each chunk but the last: a change of
+    the parameters that does not depend on the data, standing in for the optimizer's
+    noised step (the same noise in every variant).
+    """
+    sums = []
+    for v in range(variants):
+        copy = deepcopy(model)
+        engine = None
+        try:
+            engine = ClippingEngine(copy, max_grad_norm, mode=mode)
+            chunks = chunks_of(copy, v)
+            for k, losses_of in enumerate(chunks):
+                copy.zero_grad(set_to_none=True)
+                engine.backward(losses_of())
+                if between is not None and k < len(chunks) - 1:
+                    with torch.no_grad():
+                        between(copy)
+            sums.append(
+                torch.cat(
+                    [
+                        (s if s is not None else torch.zeros_like(p)).flatten().double()
+                        for p in engine.parameters()
+                        for s in [engine.clipped_sum(p)]
+                    ]
+                )
+            )
+        except UnsupportedModelError:
+            return REFUSED, float("nan")
+        finally:
+            if engine is not None:
+                engine.detach()
+    worst = max(float((x - sums[0]).norm()) for x in sums[1:])
     assert worst <= max_grad_norm * (1 + slack) + SLACK, (
         f"one record moved the clipped sum by {worst / max_grad_norm:.3f} C (mode={mode})"
     )

@@ -46,6 +46,7 @@ from dptrain.clipping import (
     oracle_norms,
     oracle_per_example_grads,
 )
+from dptrain.clipping.state import StateWatch
 from tests.clipping import hf_zoo
 from tests.clipping.oracle_check import assert_engine_matches_oracle, relative_error
 from tests.clipping.sensitivity import PRIVATE, zoo_case_outcomes
@@ -331,9 +332,28 @@ def test_lora_on_embeddings_and_trainable_tokens_are_refused_by_name(family):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lora_on_parameters_is_refused_at_the_first_backward(mode):
+def test_lora_on_parameters_is_refused_at_the_first_forward(mode):
+    """target_parameters: peft registers a parametrisation of the base weight at every
+    forward and removes it after, which writes the weight (``set_`` onto itself): the
+    state check refuses it at the forward, naming the weight."""
+    case = _lora("llama", target_modules=[], target_parameters=["mlp.down_proj.weight"])
+    engine = ClippingEngine(case.model, 1.0, mode=mode)
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"wrote state that later steps read.*: base_model\.model\.model\.layers\.\*\.mlp\."
+        r"down_proj\.base_layer\.weight \(parameter of Linear, written in place; 2 modules\)",
+    ):
+        _losses_of(case)(slice(None))
+    engine.detach()
+    assert all(p.grad is None for p in case.model.parameters())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_on_parameters_is_refused_at_the_first_backward(mode, monkeypatch):
     """target_parameters: lora_A / lora_B enter as a parametrised weight (B @ A), never
-    through their own forward: the graph check refuses them and writes no gradient."""
+    through their own forward: the graph check refuses them and writes no gradient (with
+    the state check, which refuses them first, switched off)."""
+    monkeypatch.setattr(StateWatch, "written", lambda self, before: [])
     case = _lora("llama", target_modules=[], target_parameters=["mlp.down_proj.weight"])
     engine = ClippingEngine(case.model, 1.0, mode=mode)
     with pytest.raises(

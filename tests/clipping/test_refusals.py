@@ -16,13 +16,21 @@ def refuses(message):
     return pytest.raises(UnsupportedModelError, match="^" + re.escape(message) + "$")
 
 
-def test_batchnorm_is_refused():
+def test_batchnorm_in_training_mode_is_refused_at_the_forward():
+    """BatchNorm is judged by what it does at each training forward, not by its type
+    (tests/clipping/test_state.py): in training mode it normalises by the batch."""
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2), nn.BatchNorm1d(2))
+    engine = ClippingEngine(model, 1.0)
     with refuses(
-        "BatchNorm mixes the examples of a batch, so per-example gradients do not exist: "
-        "1 (BatchNorm1d), 3 (BatchNorm1d). Replace it with LayerNorm or GroupNorm."
+        "dptrain refuses to train this model: 1 (BatchNorm1d) ran in training mode in a "
+        "training forward: it normalises every example by the mean and variance of the whole "
+        "batch (mixing the examples, so per-example gradients do not exist) and updates its "
+        "running statistics from them. Call .eval() on it to use its frozen running statistics "
+        "(per example; its weight and bias may stay trainable; model.train() sets it back to "
+        "training mode), or replace it with GroupNorm or LayerNorm."
     ):
-        ClippingEngine(model, 1.0)
+        model(torch.randn(3, 4))
+    engine.detach()
 
 
 class WithRecurrentLayers(nn.Module):
@@ -41,7 +49,11 @@ def test_all_blockers_are_listed_in_one_error():
         "bias_ih_l0, bias_hh_l0); LSTM (1 module: lstm; parameters weight_ih_l0, weight_hh_l0). "
         "modules that cannot be clipped exactly: emb (Embedding): scale_grad_by_freq=True scales "
         "gradients by counts over the whole batch. Freeze them (requires_grad=False), replace "
-        "the modules, or register a rule with dptrain.clipping.register_rule."
+        "the modules, or register a rule with dptrain.clipping.register_rule. For nn.GRU: "
+        "dptrain.models.DPGRU is a drop-in replacement built from nn.Linear layers "
+        "(DPGRU.from_torch copies a one-way nn.GRU's weights). For nn.LSTM: "
+        "dptrain.models.DPLSTM is a drop-in replacement built from nn.Linear layers "
+        "(DPLSTM.from_torch copies a one-way nn.LSTM's weights)."
     ):
         ClippingEngine(WithRecurrentLayers(), 1.0)
 
@@ -53,7 +65,9 @@ def test_refusals_fold_layer_indices_by_module_type():
         "dptrain refuses to train this model: no per-example clipping rule for these trainable "
         "parameters, by module type: GRU (3 modules: layers.*; parameters weight_ih_l0, "
         "weight_hh_l0). Freeze them (requires_grad=False), replace the modules, or register a "
-        "rule with dptrain.clipping.register_rule."
+        "rule with dptrain.clipping.register_rule. For nn.GRU: dptrain.models.DPGRU is a "
+        "drop-in replacement built from nn.Linear layers (DPGRU.from_torch copies a one-way "
+        "nn.GRU's weights)."
     ):
         ClippingEngine(model, 1.0)
 

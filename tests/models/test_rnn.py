@@ -203,8 +203,13 @@ def test_engine_refuses_stock_gru_and_lstm():
                 f"trainable parameters, by module type: {kind} (1 module: <model>; parameters "
                 f"{listed}). Freeze them"
             ),
-        ):
+        ) as refused:
             ClippingEngine(module, 1.0)
+        # ... and it points to the replacement
+        assert str(refused.value).endswith(
+            f"For nn.{kind}: dptrain.models.DP{kind} is a drop-in replacement built from "
+            f"nn.Linear layers (DP{kind}.from_torch copies a one-way nn.{kind}'s weights)."
+        )
 
 
 @pytest.mark.parametrize("cell", ["gru", "lstm"])

@@ -43,6 +43,10 @@ The engine never infers that from a size that may coincide (docs/engine.md,
   the module;
 - rows that the data decide (selections by index values, data-dependent row
   counts) are rows-checked on every chunk (:meth:`ClippingEngine._below_selections`).
+
+Across steps: a training forward must leave the model's buffers and parameters as
+it found them, and BatchNorm must use its running statistics; state written from a
+batch reaches later steps past every per-step bound (:mod:`dptrain.clipping.state`).
 """
 
 from __future__ import annotations
@@ -83,6 +87,13 @@ from dptrain.clipping.rules import (
     gram_cache,
     gram_inner,
     weighted_sum,
+)
+from dptrain.clipping.state import (
+    StateSnapshot,
+    StateWatch,
+    batch_statistics_refusal,
+    state_refusal,
+    uses_batch_statistics,
 )
 from dptrain.clipping.units import UnitIndex, unit_index
 
@@ -263,8 +274,20 @@ class ClippingEngine:
         self._float32_sums: dict[int, tuple[Tensor, Tensor]] = {}
         # The summed, unclipped gradient of a privacy unit spanning chunks (add_to_unit).
         self._open_unit: dict[str, Tensor] | None = None
+        # State written by a training forward carries its records into later steps
+        # (state.py): the model's state when the running training forward began, else None.
+        self._state = StateWatch(model)
+        self._state_before: StateSnapshot | None = None
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
+            model.register_forward_hook(self._root_hook, with_kwargs=True),
+        ]
+        # BatchNorm is fine where it uses its running statistics; whether it does is a
+        # matter of its mode at each call, not of its type.
+        self._handles += [
+            m.register_forward_pre_hook(self._make_batch_norm_check(name))
+            for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
         ]
         # A leaf per device that inputs needing no gradient of streamable modules are tied
         # to (_Tap), and the other leaves the last losses' graph reaches (_live_calls).
@@ -288,16 +311,6 @@ class ClippingEngine:
     # -- set-up: which parameters, which rules ------------------------------------------
 
     def _plan(self, model: nn.Module) -> dict[nn.Module, _Use]:
-        batch_norms = [
-            f"{name} ({type(m).__name__})"
-            for name, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        ]
-        if batch_norms:
-            raise UnsupportedModelError(
-                "BatchNorm mixes the examples of a batch, so per-example gradients do not "
-                f"exist: {', '.join(batch_norms)}. Replace it with LayerNorm or GroupNorm."
-            )
         uses: dict[nn.Module, _Use] = {}
         covered: set[int] = set()
         in_subtree: set[int] = set()  # modules whose parameters an ancestor's rule covers
@@ -360,7 +373,7 @@ class ClippingEngine:
                 "dptrain refuses to train this model: "
                 + ". ".join(parts)
                 + ". Freeze them (requires_grad=False), replace the modules, or register a "
-                "rule with dptrain.clipping.register_rule."
+                "rule with dptrain.clipping.register_rule." + _recurrent_hint(model, covered)
             )
         return uses
 
@@ -415,11 +428,39 @@ class ClippingEngine:
             # activation checkpointing re-runs a forward inside the backward; the
             # independence check re-runs the model (independence.py)
             return
+        self._state_before = (
+            self._state.snapshot() if torch.is_grad_enabled() and not self._replaying else None
+        )
         self._batch_shape = _batch_shape_of(args, kwargs)
         self._root_inputs = _detached((args, kwargs))
         # The random state this forward starts from: the independence check's re-runs
         # start from it too, so they draw what this forward drew (dropout masks, branches).
         self._root_random_state = independence.random_state(self.model)
+
+    def _root_hook(self, module, args, kwargs, output):
+        before, self._state_before = self._state_before, None
+        if before is None or _in_backward() or self._probe is not None or self._replaying:
+            return None
+        written = self._state.written(before)
+        if written:
+            # Refused before any gradient reaches p.grad: the forward itself raises.
+            self.clear()
+            raise UnsupportedModelError(state_refusal(written))
+        return None
+
+    def _make_batch_norm_check(self, name: str):
+        def check(module, args):
+            if _in_backward() or self._replaying or self._probe is not None:
+                return None
+            # Also under no_grad inside a training forward (a frozen front end): batch
+            # statistics mix the examples' inputs to the modules after it.
+            training = torch.is_grad_enabled() or self._state_before is not None
+            if training and uses_batch_statistics(module):
+                self.clear()
+                raise UnsupportedModelError(batch_statistics_refusal(name, module))
+            return None
+
+        return check
 
     def _make_hook(self, use: _Use):
         def hook(module, args, kwargs, output):
@@ -1649,6 +1690,30 @@ def _grouped_by_type(model: nn.Module, param_names: list[str]) -> list[str]:
             f"parameter{'s' if len(g['attrs']) > 1 else ''} {', '.join(g['attrs'])})"
         )
     return out
+
+
+def _recurrent_hint(model: nn.Module, covered: set[int]) -> str:
+    """Where torch's recurrent layers are refused: the drop-in replacements to use."""
+    kinds = {
+        type(m)
+        for m in model.modules()
+        if isinstance(m, nn.RNNBase)
+        and any(p.requires_grad and id(p) not in covered for p in m.parameters())
+    }
+    hints = [
+        f" For nn.{t.__name__}: dptrain.models.DP{t.__name__} is a drop-in replacement built "
+        f"from nn.Linear layers (DP{t.__name__}.from_torch copies a one-way nn.{t.__name__}'s "
+        "weights)."
+        for t in (nn.GRU, nn.LSTM)
+        if t in kinds
+    ]
+    others = sorted(t.__name__ for t in kinds if t not in (nn.GRU, nn.LSTM))
+    if others:
+        hints.append(
+            f" For {', '.join(others)}: no drop-in replacement; dptrain.models.DPGRU and "
+            "DPLSTM, or a cell built from nn.Linear layers, can be clipped."
+        )
+    return "".join(hints)
 
 
 def _owner_type(model: nn.Module, param_name: str) -> str:

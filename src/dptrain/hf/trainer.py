@@ -419,9 +419,10 @@ class DPTrainer(Trainer):
     def _probe_engine(self, dataset: Any) -> None:
         """The engine's refusals now, with its own message, rather than inside train().
 
-        Some are found when the engine is built (BatchNorm, a parameter no rule covers),
-        others only on a backward (a parameter used outside its module, reentrant
-        checkpointing): one record goes through a clipped backward whose result is
+        Some are found when the engine is built (a parameter no rule covers), others only
+        on a forward (BatchNorm in training mode, state written by the forward) or a
+        backward (a parameter used outside its module, reentrant checkpointing): one
+        record goes through a clipped backward whose result is
         discarded (nothing is released, no step is taken). The random state, the model's
         mode and its gradients are left as they were.
         """

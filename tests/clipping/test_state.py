@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.clipping import ClippingEngine, UnsupportedModelError
+from dptrain.clipping import ClippingEngine, UnsupportedModelError, independence
 from dptrain.clipping.replay import ReplayRule
 from dptrain.clipping.state import StateWatch
 from tests.clipping.oracle_check import assert_engine_matches_oracle
@@ -435,14 +435,17 @@ def test_batchnorm_in_training_mode_is_refused(mode):
 
 
 def test_without_the_checks_batchnorm_in_training_mode_moves_the_sum_beyond_c(
-    batch_norm_check_off, state_check_off
+    batch_norm_check_off, state_check_off, monkeypatch
 ):
-    """A frozen front end's batch statistics mix the examples' inputs, which neither the
-    gradient checks nor the eval-mode independence check see: the record, an outlier or
-    removed, moves the others' clipped gradients. (The state check alone refuses it too,
-    by its num_batches_tracked counter: torch's kernel writes the running mean and
-    variance without moving their version counters.)"""
+    """A frozen front end's batch statistics mix the examples' inputs, which the gradient
+    checks do not see: with the independence check off too, the record, an outlier or
+    removed, moves the others' clipped gradients. With it on (it runs in training mode)
+    the model is refused on its checked chunk. (The state check alone refuses it too, by
+    its num_batches_tracked counter: torch's kernel writes the running mean and variance
+    without moving their version counters.)"""
     model = _frozen_backbone(bn_training=True)
+    assert neighbour_sensitivity(model, _one_step, 4, max_grad_norm=C)[0] == REFUSED
+    monkeypatch.setattr(independence, "run", lambda *args, **kwargs: None)
     with pytest.raises(AssertionError, match="one record moved the clipped sum by"):
         neighbour_sensitivity(model, _one_step, 4, max_grad_norm=C)
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from dptrain.clipping import ClippingEngine, UnsupportedModelError
+from dptrain.clipping.independence import UnsupportedInputsWarning
 from dptrain.clipping.separation import separating_masks, subsets_needed
 from tests.clipping import hf_zoo
 from tests.clipping.sensitivity import LAMBDAS, PRIVATE, REFUSED, SLACK, sensitivity
@@ -309,6 +310,36 @@ def test_a_capacity_shared_by_the_chunk_is_refused(mode):
     model = CapacityRouter().double()
     x = torch.randn(4, 3, 3, dtype=torch.float64)
     assert sensitivity(model, lambda: model(x), 1, max_grad_norm=0.1, mode=mode)[0] == REFUSED
+
+
+class TrimsPadding(nn.Module):
+    """Cuts the chunk's padding to its longest example inside forward (as collators and
+    some models do): the shapes every module sees depend on the longest example."""
+
+    def __init__(self, vocab: int = 11, d: int = 6):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, 1)
+
+    def forward(self, ids, mask):
+        longest = int(mask.sum(1).max())
+        ids, mask = ids[:, :longest], mask[:, :longest]
+        return (self.fc(torch.tanh(self.tok(ids))).squeeze(-1) * mask).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_padding_trimmed_to_the_longest_example_is_clipped_not_refused(mode):
+    torch.manual_seed(0)
+    model = TrimsPadding().double()
+    ids = torch.randint(1, 11, (4, 6))
+    mask = torch.zeros(4, 6)
+    for i, n in enumerate([2, 5, 3, 1]):
+        mask[i, :n] = 1
+    ids = ids * mask.long()
+    # example 1 is the longest: scaling its loss, or replacing it, changes the others' shape
+    with pytest.warns(UnsupportedInputsWarning, match="inputs change shape"):
+        outcome = sensitivity(model, lambda: model(ids, mask), 1, max_grad_norm=0.1, mode=mode)
+    assert outcome[0] == PRIVATE
 
 
 # -- mixing that some chunks do and others do not ------------------------------------------

@@ -37,6 +37,8 @@ MODULES = [
     "dptrain.clipping.separation",
     "dptrain.clipping.check_interface",
     "dptrain.clipping.errors",
+    "dptrain.clipping.decisions",
+    "dptrain.clipping.state",
     "dptrain.clipping.shared_table",
     "dptrain.clipping.oracle",
     "dptrain.clipping.phantom",

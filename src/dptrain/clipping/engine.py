@@ -42,7 +42,7 @@ The engine never infers that from a size that may coincide (docs/engine.md,
   kept examples' inputs bitwise unchanged. A mismatch refuses the model, naming
   the module;
 - rows that the data decide (selections by index values, data-dependent row
-  counts) are rows-checked on every chunk (:meth:`ClippingEngine._below_selections`).
+  counts) are rows-checked on every chunk (:mod:`dptrain.clipping.decisions`).
 
 Across steps: a training forward must leave the model's buffers and parameters as
 it found them, and BatchNorm must use its running statistics; state written from a
@@ -52,7 +52,7 @@ batch reaches later steps past every per-step bound (:mod:`dptrain.clipping.stat
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -63,17 +63,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from dptrain._checks import check_positive
 from dptrain.clipping import independence, self_check, shared_table
+from dptrain.clipping.decisions import RowDecisions
 from dptrain.clipping.errors import UnsupportedModelError
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
 from dptrain.clipping.graph_check import (
-    SELECTIONS,
-    below,
     grad_node,
     interior,
     parameter_uses,
-    selections,
 )
-from dptrain.clipping.layout import ROWS, SHARED, example_layout, layout_pattern
 from dptrain.clipping.phantom import phantom_cross_term
 from dptrain.clipping.replay import ReplayRule
 from dptrain.clipping.rules import (
@@ -252,16 +249,8 @@ class ClippingEngine:
         self._root_random_state: tuple | None = None
         self._probe: dict[_Use, list] | None = None
         self._probe_pool: independence.SummaryPool | None = None
-        # Layout patterns already checked exactly (self_check), per (module, call index).
-        self._verified: set[tuple] = set()
-        # (module, call index) whose rows the data decide: rows-checked on every chunk.
-        self._by_data: set[tuple[str, int]] = set()
-        # Nodes of the last losses' graph that select rows by index values (graph_check),
-        # and the graph's operation counts outside the recorded calls; those checked.
-        self._selections: list = []
-        self._graph_signature: tuple = ()
-        self._sizes_by_data = False
-        self._graphs: set[tuple] = set()
+        # What is known about which rows are whose, and what each chunk must establish.
+        self._rows = RowDecisions()
         self.self_checks = 0
         """How many chunks were checked exactly so far (new layout patterns)."""
         self.streamed: tuple[str, ...] = ()
@@ -625,12 +614,13 @@ class ClippingEngine:
                 self.clear()
                 zeros = torch.zeros(b if index is None else index.num_units)
                 return ClipStats(zeros, zeros, self.max_grad_norm)
-            new_patterns, by_data = self._layouts(active, live, b)
-            check = b > 1 and (bool(new_patterns) or self._graph_signature not in self._graphs)
+            shape = self._batch_shape or (b,)
+            new_patterns, by_data = self._rows.layouts(active, live, b, shape)
+            check = self._rows.needs_full_check(new_patterns, b)
             if check:  # before the output gradients exist: the re-runs need their memory
                 independence.run(_CheckView(self), active, b)
             else:  # rows that the data decide: the rows check on every chunk
-                by_data += self._below_selections(losses, live, by_data, b)
+                by_data += self._rows.below_selections(losses, live, by_data, b, shape)
                 if by_data:
                     self_check.rows(_CheckView(self), losses, by_data, retain=True)
             calls = [(u, c) for u in active for c in live[u]]
@@ -654,8 +644,7 @@ class ClippingEngine:
             records = self._records(active, live, grads, b)
             if check:
                 self_check.run(_CheckView(self), losses, calls, grads, records, parts)
-                self._verified |= new_patterns
-                self._graphs.add(self._graph_signature)
+                self._rows.checked(new_patterns)
                 self.self_checks += 1
             # the records hold what is needed; the output gradients go as records are freed
             del grads, parts
@@ -762,108 +751,6 @@ class ClippingEngine:
 
     # -- which rows are examples ----------------------------------------------------------
 
-    def _layouts(
-        self, active: list[_Use], live: dict[_Use, list[_Call]], b: int
-    ) -> tuple[set[tuple], list[tuple[_Use, _Call]]]:
-        """Check every call has an example layout; return the patterns not yet checked
-        exactly, and the calls whose rows depend on the data (checked on every chunk)."""
-        new = set()
-        by_data: list[tuple[_Use, _Call]] = []
-        for use in active:
-            for call in live[use]:
-                k = call.index
-                if call.expanded_to is not None and call.expanded_to != b:
-                    raise UnsupportedModelError(
-                        f"module {use.name} ({type(use.module).__name__}) is a table shared by "
-                        f"all examples and was expanded to the model input's {call.expanded_to} "
-                        f"rows, but {b} per-example losses were given: pass the losses of "
-                        "exactly the examples of the last forward pass"
-                    )
-                layout = example_layout(tuple(call.a.shape), call.out_shape, b, call.expanded_to)
-                rows_only = getattr(use.rule, "raw_layout", False)
-                if layout not in (None, ROWS) and rows_only:
-                    raise UnsupportedModelError(
-                        f"module {use.name} ({type(use.module).__name__}) was called on an input "
-                        f"of shape {tuple(call.a.shape)} for {b} per-example losses: its rule "
-                        "needs one input row per example (B, C, *spatial); pass the examples "
-                        "along the first dimension"
-                    )
-                if layout is None:
-                    raise UnsupportedModelError(
-                        f"module {use.name} ({type(use.module).__name__}) produced an output of "
-                        f"shape {call.out_shape} for {b} per-example losses: its first dimension "
-                        "is not the batch size, so its per-example gradients would be mixed (if "
-                        "the model takes its inputs in an unusual container, pass input_ids= or "
-                        "a tensor as the first argument)"
-                    )
-                if b > 1:
-                    pattern = (
-                        use.name,
-                        k,
-                        *layout_pattern(layout, tuple(call.a.shape), call.out_shape, b),
-                        _inputs_pattern(call.inputs, b),
-                    )
-                    if pattern not in self._verified:
-                        new.add(pattern)
-                    if layout != SHARED and self._rows_by_data(use, call, b):
-                        by_data.append((use, call))
-        return new, by_data
-
-    def _below_selections(
-        self, losses: Tensor, live: dict[_Use, list[_Call]], by_data: list, b: int
-    ) -> list[tuple[_Use, _Call]]:
-        """Decide the selections in the losses' graph on this chunk; return the calls
-        below those whose rows could not be decided where they are.
-
-        A selection by index values (``logits[arange(B), last]``, ``loss_rows[mask]``,
-        ``index_add`` of token losses into examples) decides which rows reach which
-        example anew on every chunk. Where the tensor it selects from has one row (or
-        a block of T rows) per example, the gradient reaching that tensor is rows-checked
-        exactly (:func:`dptrain.clipping.self_check.frontier`: backwards that stop there,
-        near the loss); below it, the graph is the one checked on a new pattern. Where it
-        does not (token losses of selected tokens, N rows for b examples), every recorded
-        call below the selection is rows-checked itself.
-        """
-        if not self._selections:
-            return []
-        shape = self._batch_shape or (b,)
-        structural = {b * math.prod(shape[1:j]) for j in range(1, len(shape) + 1)}
-        undecided = self_check.frontier(losses, self._selections, structural)
-        if not undecided:
-            return []
-        under: dict[int, object] = {}
-        for node in undecided:
-            under.update(below(node))
-        have = {id(c) for _, c in by_data}
-        return [
-            (u, c)
-            for u, calls in live.items()
-            for c in calls
-            if id(c.edge.node) in under and id(c) not in have and c.expanded_to is None
-        ]
-
-    def _rows_by_data(self, use: _Use, call: _Call, b: int) -> bool:
-        """Whether which rows of ``call`` are whose may change from chunk to chunk.
-
-        The rows of a call are fixed by structure when there are b of them, or b blocks
-        of as many rows as the root input has positions (tokens flattened to (B * T, d)).
-        Any other count (tokens selected by their labels, routed tokens), an input made by
-        a selection that depends on values (``h[mask]``, gather, index_select), or a call
-        seen so once before, is decided again on every chunk: its count may coincide
-        with b on one chunk and hold other counts per example on the next.
-        """
-        key = (use.name, call.index)
-        if key in self._by_data:
-            return True
-        rows = call.out_shape[0]
-        shape = self._batch_shape or (b,)
-        structural = {b * math.prod(shape[1:j]) for j in range(1, len(shape) + 1)}
-        selected = any(type(n).__name__ in SELECTIONS for n in call.in_nodes if n is not None)
-        if rows in structural and not selected:
-            return False
-        self._by_data.add(key)
-        return True
-
     def _live_calls(self, losses: Tensor) -> dict[_Use, list[_Call]]:
         """The recorded calls the losses depend on, after checking every parameter use.
 
@@ -893,21 +780,7 @@ class ClippingEngine:
                 inside[id(use)] = {
                     k: v for c in calls for k, v in interior(c.edge.node, c.in_nodes).items()
                 }
-        # Selections inside a recorded call are its rule's to handle (a replay re-runs the
-        # module's own routing per example); those outside are decided on every chunk.
-        interiors = {k for nodes in inside.values() for k in nodes}
-        every_selection = selections(seen)
-        self._selections = [n for n in every_selection if id(n) not in interiors]
-        # Selections anywhere (routing inside a mixture of experts) make the sizes of
-        # some matrix products depend on the data: the independence check then allows
-        # their rounding (independence.py).
-        self._sizes_by_data = bool(every_selection)
-        # What the graph does between the recorded calls, as counts of operation types:
-        # a chunk whose graph differs (a branch taken at random or by the data, which may
-        # mix examples where the checked chunk did not) is checked again in full.
-        self._graph_signature = tuple(
-            sorted(Counter(type(n).__name__ for k, n in seen.items() if k not in interiors).items())
-        )
+        self._rows.read_graph(seen, {k for nodes in inside.values() for k in nodes})
         outside = {}
         for name, uses in self._groups.items():
             allowed = {k: v for u, _ in uses for k, v in inside.get(id(u), {}).items()}
@@ -1435,7 +1308,7 @@ class _CheckView:
         self.sums_from_records = engine._sum_from_records
         self.root_inputs = engine._root_inputs
         self.root_random_state = engine._root_random_state
-        self.sizes_by_data = engine._sizes_by_data
+        self.sizes_by_data = engine._rows.sizes_by_data
 
     def reached(self, records: dict) -> list[str]:
         e = self._engine
@@ -1584,14 +1457,6 @@ def _tensor_inputs(args: tuple, kwargs: dict) -> list[Tensor]:
 def _detached(tree):
     """``tree`` with every tensor detached (a replay's inputs, without their graph)."""
     return tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, tree)
-
-
-def _inputs_pattern(inputs: tuple | None, b: int) -> tuple:
-    """Which dimensions of a replayed call's tensor inputs equal b (part of its pattern)."""
-    if inputs is None:
-        return ()
-    flat = tree_flatten(inputs)[0]
-    return tuple(tuple(s == b for s in t.shape) for t in flat if isinstance(t, Tensor))
 
 
 def _lookup_node(output: Tensor, weight: Tensor, stop_nodes: list):

@@ -38,6 +38,7 @@ MODULES = [
     "dptrain.clipping.check_interface",
     "dptrain.clipping.errors",
     "dptrain.clipping.decisions",
+    "dptrain.clipping.grad_store",
     "dptrain.clipping.state",
     "dptrain.clipping.shared_table",
     "dptrain.clipping.oracle",

@@ -66,6 +66,7 @@ from dptrain.clipping import independence, self_check, shared_table
 from dptrain.clipping.decisions import RowDecisions
 from dptrain.clipping.errors import UnsupportedModelError
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
+from dptrain.clipping.grad_store import LOW_PRECISION, GradStore
 from dptrain.clipping.graph_check import (
     grad_node,
     interior,
@@ -101,7 +102,7 @@ CLIPPING_MODES = ("book_keeping", "ghost")
 #: How per-example norms of linear layers are computed.
 NORM_METHODS = ("auto", "ghost", "instantiate")
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_LOW_PRECISION = LOW_PRECISION
 
 
 @dataclass
@@ -256,11 +257,9 @@ class ClippingEngine:
         self.streamed: tuple[str, ...] = ()
         """Modules whose per-example gradients the last backward formed as their output
         gradients arrived, dropping those (see _streams)."""
-        # p.grad as the engine left it: (id, version) per parameter id, checked at the step.
-        self._grad_marks: dict[int, tuple[int, int]] = {}
-        # A float16/bfloat16 parameter's clipped sum in float32, by parameter id, with the
-        # rounded copy written to p.grad beside it (valid while p.grad is that copy).
-        self._float32_sums: dict[int, tuple[Tensor, Tensor]] = {}
+        # The clipped sums in p.grad (float32 beside a low-precision one), and which
+        # p.grad the engine wrote: grad_store.py.
+        self._sums = GradStore()
         # The summed, unclipped gradient of a privacy unit spanning chunks (add_to_unit).
         self._open_unit: dict[str, Tensor] | None = None
         # State written by a training forward carries its records into later steps
@@ -745,7 +744,7 @@ class ClippingEngine:
             total = torch.stack(list(norms_sq.values())).sum(0).sqrt()
             factors = self.clip_factors(total, loss_scale)
         for name, grad in held.items():
-            self._add_to_grad(self.parameter(name), grad * self._factor_for(name, factors))
+            self._sums.add(self.parameter(name), grad * self._factor_for(name, factors))
         self._mark_grads()
         return ClipStats(total.detach() / loss_scale, factors.detach(), self.max_grad_norm)
 
@@ -807,20 +806,14 @@ class ClippingEngine:
     # -- p.grad is the engine's alone until the step --------------------------------------
 
     def _mark_grads(self) -> None:
-        for p in self.parameters():
-            if p.grad is not None:
-                self._grad_marks[id(p)] = (id(p.grad), p.grad._version)
-
-    def _wrote_grad(self, p: nn.Parameter) -> bool:
-        """Whether ``p.grad`` is the tensor the engine last left there, unchanged since."""
-        return p.grad is not None and self._grad_marks.get(id(p)) == (id(p.grad), p.grad._version)
+        self._sums.mark(self.parameters())
 
     def _check_untouched_grads(self) -> None:
         """Refuse a ``p.grad`` the engine did not write (a plain backward, a stale gradient)."""
         touched = [
             name
             for name in self._groups
-            if (p := self.parameter(name)).grad is not None and not self._wrote_grad(p)
+            if (p := self.parameter(name)).grad is not None and not self._sums.wrote(p)
         ]
         if touched:
             raise UnsupportedModelError(
@@ -1246,34 +1239,8 @@ class ClippingEngine:
         time, each module's record freed once its parameters are done."""
         sums = self._drain_weighted_sums(records, lambda name: self._factor_for(name, factors))
         for name, grad in sums:
-            self._add_to_grad(self.parameter(name), grad)
+            self._sums.add(self.parameter(name), grad)
             del grad
-
-    def _add_to_grad(self, p: nn.Parameter, grad: Tensor) -> None:
-        """p.grad += grad. A float16/bfloat16 parameter's sum is accumulated in float32 and
-        p.grad gets it rounded: summing in p's dtype would round every partial sum, and one
-        record then moved the noised sum by C plus the rounding (1.0005 C at B 64, in
-        tests/clipping/test_mixed_precision.py)."""
-        if p.dtype not in _LOW_PRECISION:
-            grad = grad.to(p.dtype)
-            if p.grad is None:
-                # the param's own strides (a transposed Conv1D sum is not), as torch's
-                # gradient layout contract asks: avoids slow paths and a warning downstream
-                p.grad = grad if grad.stride() == p.stride() else grad.contiguous()
-            else:
-                p.grad.add_(grad)
-            return
-        held = self.clipped_sum(p)
-        if held is None:  # p's strides (as above), in float32
-            total = torch.empty_like(p, dtype=torch.float32).copy_(grad)
-        elif held.dtype != torch.float32:  # a rounded sum only (written before this engine's
-            total = held.float().add_(grad)  # float32 sum existed): kept, as it is
-        else:
-            total = held.add_(grad.to(torch.float32))
-        rounded = torch.empty_like(p)  # p's strides, as above
-        rounded.copy_(total)
-        p.grad = rounded
-        self._float32_sums[id(p)] = (total, rounded)
 
     def clipped_sum(self, p: nn.Parameter) -> Tensor | None:
         """The clipped sum the engine accumulated for ``p`` since its ``p.grad`` was last
@@ -1284,14 +1251,7 @@ class ClippingEngine:
         The float32 sum is returned only while ``p.grad`` is the copy the engine wrote
         (same tensor, same version); otherwise it is dropped and ``p.grad`` is returned.
         """
-        if p.grad is None:
-            self._float32_sums.pop(id(p), None)
-            return None
-        held = self._float32_sums.get(id(p))
-        if held is not None and held[1] is p.grad and self._wrote_grad(p):
-            return held[0]
-        self._float32_sums.pop(id(p), None)
-        return p.grad
+        return self._sums.clipped_sum(p)
 
     def parameter(self, name: str) -> nn.Parameter:
         """The clipped parameter called ``name`` (see :attr:`parameter_names`)."""

@@ -30,7 +30,8 @@ from torch import Tensor
 
 from dptrain._checks import check_int, check_positive, check_sample_rate
 from dptrain.accounting import PrivacyLedger
-from dptrain.clipping.engine import _LOW_PRECISION, ClippingEngine, ClipStats, upcast
+from dptrain.clipping.engine import ClippingEngine, ClipStats, upcast
+from dptrain.clipping.grad_store import LOW_PRECISION
 
 __all__ = ["DPOptimizer", "PrivacyBudgetExhaustedError", "StepMetrics", "noisy_clipped_gradient"]
 
@@ -79,7 +80,7 @@ def _sum_to_noise(engine: ClippingEngine | None, p: torch.nn.Parameter) -> Tenso
     let rounding move it by more than C."""
     s = engine.clipped_sum(p) if engine is not None else p.grad
     if s is None:
-        if p.dtype in _LOW_PRECISION:
+        if p.dtype in LOW_PRECISION:
             return torch.zeros_like(p, dtype=torch.float32)
         p.grad = torch.zeros_like(p)
         return p.grad

@@ -130,6 +130,7 @@ def test_unbatched_input_to_a_linear_layer_is_refused():
         "first argument)"
     ):
         engine.backward(losses)
+    assert all(p.grad is None for p in model.parameters())  # nothing half-added
     engine.detach()
 
 

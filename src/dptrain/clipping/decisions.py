@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from dptrain.clipping import self_check
 from dptrain.clipping.errors import UnsupportedModelError
-from dptrain.clipping.graph_check import SELECTIONS, below, selections
+from dptrain.clipping.graph_check import SELECTIONS, interior, selections
 from dptrain.clipping.layout import ROWS, SHARED, example_layout, layout_pattern
 
 __all__ = ["RowDecisions", "structural_row_counts"]
@@ -82,6 +82,7 @@ class RowDecisions:
         full, and the calls whose rows the data decide (rows-checked on every chunk)."""
         new = set()
         by_data: list[tuple] = []
+        structural = structural_row_counts(b, root_shape)
         for use in active:
             for call in live[use]:
                 layout = _layout_of(use, call, b)
@@ -95,7 +96,7 @@ class RowDecisions:
                 )
                 if pattern not in self.verified:
                     new.add(pattern)
-                if layout != SHARED and self.rows_by_data(use, call, b, root_shape):
+                if layout != SHARED and self.rows_by_data(use, call, structural):
                     by_data.append((use, call))
         return new, by_data
 
@@ -110,7 +111,7 @@ class RowDecisions:
 
     # -- rows the data decide ---------------------------------------------------------
 
-    def rows_by_data(self, use, call, b: int, root_shape: tuple[int, ...]) -> bool:
+    def rows_by_data(self, use, call, structural: set[int]) -> bool:
         """Whether which rows of ``call`` are whose may change from chunk to chunk.
 
         The rows of a call are fixed by structure when there are b of them, or b blocks
@@ -118,13 +119,14 @@ class RowDecisions:
         Any other count (tokens selected by their labels, routed tokens), an input made by
         a selection that depends on values (``h[mask]``, gather, index_select), or a call
         seen so once before, is decided again on every chunk: its count may coincide
-        with b on one chunk and hold other counts per example on the next.
+        with b on one chunk and hold other counts per example on the next (``structural``:
+        :func:`structural_row_counts` of the chunk).
         """
         key = (use.name, call.index)
         if key in self.by_data:
             return True
         selected = any(type(n).__name__ in SELECTIONS for n in call.in_nodes if n is not None)
-        if call.out_shape[0] in structural_row_counts(b, root_shape) and not selected:
+        if call.out_shape[0] in structural and not selected:
             return False
         self.by_data.add(key)
         return True
@@ -152,7 +154,7 @@ class RowDecisions:
             return []
         under: dict[int, object] = {}
         for node in undecided:
-            under.update(below(node))
+            under.update(interior(node, ()))
         have = {id(c) for _, c in by_data}
         return [
             (u, c)
@@ -164,13 +166,6 @@ class RowDecisions:
 
 def _layout_of(use, call, b: int) -> str:
     """The call's example layout for ``b`` examples; refuses a call that has none."""
-    if call.expanded_to is not None and call.expanded_to != b:
-        raise UnsupportedModelError(
-            f"module {use.name} ({type(use.module).__name__}) is a table shared by "
-            f"all examples and was expanded to the model input's {call.expanded_to} "
-            f"rows, but {b} per-example losses were given: pass the losses of "
-            "exactly the examples of the last forward pass"
-        )
     layout = example_layout(tuple(call.a.shape), call.out_shape, b, call.expanded_to)
     if layout not in (None, ROWS) and getattr(use.rule, "raw_layout", False):
         raise UnsupportedModelError(

@@ -102,8 +102,6 @@ CLIPPING_MODES = ("book_keeping", "ghost")
 #: How per-example norms of linear layers are computed.
 NORM_METHODS = ("auto", "ghost", "instantiate")
 
-_LOW_PRECISION = LOW_PRECISION
-
 
 @dataclass
 class ClipStats:
@@ -630,7 +628,7 @@ class ClippingEngine:
             self._sum_from_records = (
                 self.mode == "book_keeping"
                 or any(c.low_precision for _, c in calls)
-                or any(p.dtype in _LOW_PRECISION for p in self.parameters())
+                or any(p.dtype in LOW_PRECISION for p in self.parameters())
             )
             streamed = {u for u in active if self._streams(u, live[u], b)}
             self.streamed = tuple(u.name for u in active if u in streamed)
@@ -1446,14 +1444,14 @@ def _low_precision(a: Tensor, output: Tensor) -> bool:
     """Whether a call computed in float16/bfloat16: under autocast, or on such tensors."""
     return (
         torch.is_autocast_enabled(output.device.type)
-        or a.dtype in _LOW_PRECISION
-        or output.dtype in _LOW_PRECISION
+        or a.dtype in LOW_PRECISION
+        or output.dtype in LOW_PRECISION
     )
 
 
 def upcast(t: Tensor) -> Tensor:
     """float16/bfloat16 -> float32; other dtypes unchanged (norms and sums need the range)."""
-    return t.float() if t.dtype in _LOW_PRECISION else t
+    return t.float() if t.dtype in LOW_PRECISION else t
 
 
 _BATCH_KEYS = ("input_ids", "inputs_embeds", "input", "x", "idx")

@@ -35,7 +35,6 @@ from torch.autograd.graph import get_gradient_edge
 __all__ = [
     "REENTRANT_CHECKPOINT_NODE",
     "SELECTIONS",
-    "below",
     "grad_node",
     "interior",
     "parameter_uses",
@@ -148,20 +147,3 @@ def grad_node(t: Tensor):
 def selections(seen: dict[int, object]) -> list:
     """The nodes among ``seen`` (a walk's nodes) that select rows by index values."""
     return [n for n in seen.values() if type(n).__name__ in SELECTIONS]
-
-
-def below(node) -> dict[int, object]:
-    """The non-leaf nodes reachable from ``node``'s inputs, by id (held, as above)."""
-    seen: dict[int, object] = {}
-    stack = [n for n, _ in node.next_functions if n is not None and not hasattr(n, "variable")]
-    while stack:
-        nxt = stack.pop()
-        if id(nxt) in seen:
-            continue
-        seen[id(nxt)] = nxt
-        stack.extend(
-            n
-            for n, _ in nxt.next_functions
-            if n is not None and not hasattr(n, "variable") and id(n) not in seen
-        )
-    return seen

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 
 from dptrain.clipping.errors import UnsupportedModelError
 from dptrain.clipping.precision import tolerance_dtypes
@@ -118,8 +119,6 @@ def frontier(losses: Tensor, nodes: list, structural: set[int]) -> list:
     One backward per subset that stops at those tensors (captured, not run through), so
     it costs what the graph above them costs: little, for selections near the loss.
     """
-    from torch.autograd.graph import GradientEdge
-
     b = losses.shape[0]
     edges, owner = [], []
     for node in nodes:
@@ -140,10 +139,9 @@ def frontier(losses: Tensor, nodes: list, structural: set[int]) -> list:
             if g.dim() == 0 or g.shape[0] not in structural:
                 undecided[id(node)] = node
                 continue
-            per_example = g.reshape(b, -1)
-            nonzero = (per_example[~mask] != 0).any(1)
-            if bool(nonzero.any()):
-                i = int((~mask).nonzero().flatten()[nonzero.nonzero()[0, 0]])
+            found = _outside_rows(g, mask, b)
+            if found is not None:
+                i = found[0]
                 members = [int(j) for j in mask.nonzero().flatten()]
                 raise UnsupportedModelError(
                     f"the input {tuple(g.shape)} of a selection by index "
@@ -173,7 +171,10 @@ def _subset_backward(
     def rows_hook(node):
         def hook(grad_outputs):
             for k in by_node[id(node)]:
-                found = _outside_rows(grad_outputs[edges[k].output_nr], calls[k][1], mask, b)
+                g, call = grad_outputs[edges[k].output_nr], calls[k][1]
+                if g is not None and call.batch_dim:
+                    g = g.movedim(call.batch_dim, 0)
+                found = _outside_rows(g, mask, b)
                 if found is not None:
                     failures.append((k, *found))
 
@@ -240,13 +241,7 @@ def _check_sums(engine, names, gaps: list[dict], tol: float, device) -> None:
         (auto for seen in gaps for _, auto, _ in seen.values()), default=0.0
     )
     for name in names:
-        diff, auto, mine = max(
-            (seen[name] for seen in gaps),
-            key=lambda g: g[0] / max(g[1], g[2], floor) if max(g[1], g[2], floor) > 0 else 0.0,
-            default=(0.0, 0.0, 0.0),
-        )
-        scale = max(auto, mine, floor)
-        err = diff / scale if scale > 0 else 0.0
+        err = max((_relative(*seen[name], floor) for seen in gaps), default=0.0)
         ptol = tol
         if any(u.rule.float32_inside for u in engine.owners(name)):
             ptol = max(tol, SUM_TOLERANCE[tol_dtype_of(torch.float32, device)])
@@ -261,13 +256,12 @@ def _check_sums(engine, names, gaps: list[dict], tol: float, device) -> None:
             )
 
 
-def _outside_rows(g: Tensor | None, call, mask: Tensor, b: int) -> tuple[int, float] | None:
-    """(first example outside ``mask`` whose rows of ``g`` are not all zero, their size
-    relative to g's largest example), or None where all are zero (exactly)."""
+def _outside_rows(g: Tensor | None, mask: Tensor, b: int) -> tuple[int, float] | None:
+    """(first example outside ``mask`` whose rows of ``g`` (examples first) are not all
+    zero, their size relative to g's largest example), or None where all are zero
+    (exactly)."""
     if g is None:  # no gradient reached this output: zero everywhere
         return None
-    if call.batch_dim:
-        g = g.movedim(call.batch_dim, 0)
     per_example = g.reshape(b, -1)  # rows, blocks (example-major) or an expanded table
     nonzero = (per_example[~mask] != 0).any(1)  # NaN != 0: a NaN row is not zero either
     if not bool(nonzero.any()):
@@ -300,6 +294,12 @@ def _row_causes(call, b: int) -> str:
         "that mixes examples (batch statistics, attention across the batch), or a loss with "
         "in-batch negatives."
     )
+
+
+def _relative(diff: float, auto: float, mine: float, floor: float) -> float:
+    """A gap relative to the larger of the two gradients, floored at ``floor``."""
+    scale = max(auto, mine, floor)
+    return diff / scale if scale > 0 else 0.0
 
 
 def _gaps(mine: Tensor | None, auto: Tensor | None) -> tuple[float, float, float]:

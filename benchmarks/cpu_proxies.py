@@ -1,0 +1,197 @@
+"""CPU proxies of the GPU cost of a private step under bf16 autocast (issue 27's table).
+
+A tied Llama (hidden 256, 4 layers, vocab 8192; B 8, T 256 by default), full fine-tuning
+and LoRA r16 on the seven projections, under ``torch.autocast('cpu', bfloat16)``. For
+the non-private step and dptrain's book-keeping step (forward, per-example loss,
+backward; no optimizer) it reports, each against the non-private step:
+
+- the share of matrix-product FLOPs (mm, addmm, bmm, baddbmm, linear) whose operands
+  are float32: on a GPU those run on CUDA cores, not tensor cores;
+- aten operations dispatched per step (launches, on a GPU);
+- matrix-product FLOPs per step;
+- peak resident memory of a fresh process running 2 steps (the first, with the
+  engine's full check, included).
+
+The counts are of a steady step (the third; the engine's checks run on the first) and,
+separately, of the first step. A hand-written dispatch counter, because
+``torch.utils.flop_counter`` does not split FLOPs by dtype.
+
+    python benchmarks/cpu_proxies.py            # the table (about 2 minutes on 2 cores)
+    python benchmarks/cpu_proxies.py --b 4 --t 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import subprocess
+import sys
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "linear"}
+
+
+class _Count(TorchDispatchMode):
+    """aten ops per step, and matrix-product FLOPs by operand dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.flops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        name = func.overloadpacket.__name__
+        out = func(*args, **kwargs)
+        if name in _GEMMS:
+            a = args[1] if name in ("addmm", "baddbmm") else args[0]
+            k = a.shape[-1]
+            self.flops[a.dtype] += 2 * k * math.prod(out.shape)
+        return out
+
+
+def _model(lora: bool):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if lora:
+        import peft
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=targets)
+        )
+    return model.train()
+
+
+def _stepper(method: str, lora: bool, b: int, t: int):
+    from dptrain.clipping import ClippingEngine
+
+    model = _model(lora)
+    ids = torch.randint(0, 8192, (b, t), generator=torch.Generator().manual_seed(0))
+    engine = ClippingEngine(model, 1.0) if method == "dptrain-bk" else None
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        losses = F.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
+        ).mean(1)
+        if engine is None:
+            losses.sum().backward()
+        else:
+            engine.backward(losses)
+
+    return step
+
+
+def _counts(method: str, lora: bool, b: int, t: int) -> dict:
+    step = _stepper(method, lora, b, t)
+    out = {}
+    for label in ("first", "warm", "steady"):
+        counter = _Count()
+        with counter:
+            step()
+        if label != "warm":
+            total = sum(counter.flops.values())
+            out[label] = {
+                "ops": counter.ops,
+                "gemm_flops": total,
+                "float32_share": counter.flops[torch.float32] / total if total else 0.0,
+            }
+    return out
+
+
+def _peak_child(method: str, lora: bool, b: int, t: int) -> None:
+    step = _stepper(method, lora, b, t)
+    base = _rss_kib()  # resident now (the peak so far may lie in the imports)
+    step()
+    step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"increment_mb": (peak - base) / 1024, "peak_mb": peak / 1024}))
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--b", type=int, default=8)
+    parser.add_argument("--t", type=int, default=256)
+    parser.add_argument("--peak", nargs=2, metavar=("METHOD", "LORA"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.peak:
+        _peak_child(args.peak[0], args.peak[1] == "1", args.b, args.t)
+        return
+    torch.set_num_threads(2)
+    print(f"tied Llama (h 256, 4 layers, vocab 8192), B {args.b}, T {args.t}, bf16 autocast")
+    print(
+        "| workload | method | float32 share of GEMM FLOPs (steady / first) "
+        "| aten ops x (steady / first) | GEMM FLOPs x (steady / first) | peak x (increment x) |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for lora in (False, True):
+        rows = {}
+        for method in ("nonprivate", "dptrain-bk"):
+            rows[method] = _counts(method, lora, args.b, args.t)
+            child = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--b",
+                    str(args.b),
+                    "--t",
+                    str(args.t),
+                    "--peak",
+                    method,
+                    "1" if lora else "0",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            rows[method]["mem"] = json.loads(child.stdout.strip().splitlines()[-1])
+        base = rows["nonprivate"]
+        for method, r in rows.items():
+            share = f"{r['steady']['float32_share']:.1%} / {r['first']['float32_share']:.1%}"
+            ops = "{:.2f} / {:.2f}".format(
+                r["steady"]["ops"] / base["steady"]["ops"],
+                r["first"]["ops"] / base["steady"]["ops"],
+            )
+            flops = "{:.2f} / {:.2f}".format(
+                r["steady"]["gemm_flops"] / base["steady"]["gemm_flops"],
+                r["first"]["gemm_flops"] / base["steady"]["gemm_flops"],
+            )
+            mem = "{:.2f} ({:.2f})".format(
+                r["mem"]["peak_mb"] / base["mem"]["peak_mb"],
+                r["mem"]["increment_mb"] / base["mem"]["increment_mb"],
+            )
+            name = "LoRA r16" if lora else "full"
+            print(f"| {name} | {method} | {share} | {ops} | {flops} | {mem} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,9 +19,10 @@
     dptrain study NAME      a language-model study: snr | batch-schedule | weight-decay
                             (masked LM, Anil et al.) or e2e-heatmap (Li et al. Figure 2)
     dptrain audit exposure  canary exposure (Carlini et al.) private vs non-private
-    dptrain audit one-run   one-run audit (Steinke et al.; Mahloujifar et al.): white-box
-                            self-test of the mechanism, or your canaries' scores (exit 1 if
-                            a lower bound exceeds the claimed epsilon)
+    dptrain audit one-run   one-run audit (Steinke et al.; Mahloujifar et al.): white-box and
+                            black-box self-test of the mechanism, or your canaries' scores
+                            (exit 0 nothing flagged, 1 a lower bound exceeds the claimed
+                            epsilon, 2 could not run or no claim to test)
     dptrain audit mia       membership inference (LiRA, loss threshold) on shadow linear
                             probes of frozen MiniLM features: TPR at 0.1% / 1% FPR, ROC plot
                             (exit 1 if a TPR exceeds what the epsilon allows)
@@ -38,10 +39,11 @@ arguments print an error naming the argument to stderr and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dptrain._table import format_table
@@ -615,13 +617,14 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         from dptrain.recipes.audit_one_run import load_one_run_config, run_one_run_audit
 
         cfg = load_one_run_config(args.config, args.overrides)
-        results = run_one_run_audit(cfg, progress=not args.json)
+        with _could_not_run("audit one-run"):
+            results = run_one_run_audit(cfg, progress=not args.json)
         if args.json:
             print(json.dumps(results))
         else:
             print((Path(cfg.out) / "table.md").read_text())
             print(f"results: {cfg.out}/results.json")
-        return 1 if results["flagged"] else 0
+        return _audit_exit_code(results["status"], "audit one-run")
     if args.command == "audit" and args.audit == "mia":
         from dptrain.recipes.audit_mia import load_mia_config, run_mia_audit
 
@@ -751,7 +754,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc > 1:  # bad input fails here, once, before any process starts
         module.check_world_size(cfg, args.nproc)
         return _torchrun_train(args)
-    results = getattr(module, train_name)(cfg)
+    audit = bool(getattr(cfg, "audit", False))
+    with _could_not_run(f"train {args.recipe}") if audit else contextlib.nullcontext():
+        results = getattr(module, train_name)(cfg)
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports the run
         return 0
     if args.recipe == "classify":
@@ -762,6 +767,49 @@ def _train(args: argparse.Namespace) -> int:
     print(f"run folder: {cfg.out} (results.json, metrics.jsonl, plots/)")
     if args.recipe == "lm" and cfg.save_model:
         print(f"model: {cfg.out}/model (save_pretrained, privacy.json, README.md)")
+    if not audit or "audit" not in results:
+        return 0
+    report = results["audit"]
+    bounds = ", ".join(f"{k} {v:.3f}" for k, v in report["lower_bounds_by_score"].items())
+    print(f"audit ({report['correction']}): {report['status']}; lower bounds: {bounds}")
+    if report.get("reach"):
+        print(f"audit reach: {report['reach']}")
+    return _audit_exit_code(report["status"], f"train {args.recipe}")
+
+
+class _CouldNotRunError(Exception):
+    """An audit that crashed: exit code 2, like bad input (1 means "flagged")."""
+
+
+@contextlib.contextmanager
+def _could_not_run(what: str) -> Iterator[None]:
+    """Turn a crash into exit code 2 for the commands whose exit code 1 means "flagged":
+    a traceback would exit 1 and read as a verdict. Bad input (ValueError) is left to
+    :func:`main`, which exits 2 for it too."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as err:
+        import traceback
+
+        traceback.print_exc()
+        raise _CouldNotRunError(
+            f"dptrain {what} could not run ({type(err).__name__}: {err})"
+        ) from err
+
+
+def _audit_exit_code(status: str, what: str) -> int:
+    """0 nothing flagged, 1 flagged, 2 no claim to test (said on stderr)."""
+    if status == "flagged":
+        return 1
+    if status == "no claim":
+        print(
+            f"dptrain {what}: the run makes no privacy claim (no epsilon was computed), so "
+            "the audit tested nothing: exit code 2",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 
@@ -807,6 +855,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = _COMMANDS[args.command](args)
     except ValueError as err:  # includes CliError: bad input, never a traceback
         print(f"dptrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except _CouldNotRunError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
         for rec in records:

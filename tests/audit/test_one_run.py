@@ -23,6 +23,7 @@ from dptrain.accounting.gdp import gdp_epsilon
 from dptrain.audit import (
     METHODS,
     OneRunAudit,
+    audit_scores,
     count_correct,
     default_guess_candidates,
     epsilon_lower_bound,
@@ -32,6 +33,7 @@ from dptrain.audit import (
     one_run_audit,
     one_run_p_value,
     pure_epsilon_all_correct,
+    steinke_ceiling,
 )
 
 mpmath.mp.dps = 50
@@ -353,6 +355,83 @@ def test_grid_search_pays_bonferroni():
         for kp, km in grid
     )
     assert uncorrected >= fixed.epsilon > res.epsilon
+
+
+def test_several_scores_are_one_family_bonferroni_over_all_tests():
+    scores, included = _gaussian_run(2.0, seed=5)
+    noisy = scores + np.random.default_rng(0).normal(size=scores.size)
+    found = audit_scores({"a": scores, "b": noisy}, included, 1e-5, 0.95)
+    assert [(a.score, a.method) for a in found] == [
+        ("a", METHODS[0]),
+        ("a", METHODS[1]),
+        ("b", METHODS[0]),
+        ("b", METHODS[1]),
+    ]
+    for a in found:  # each test at level 0.05 / 4, the grid's G within it
+        assert a.tests == 4 and a.confidence == 0.95
+        alone = one_run_audit(
+            {"a": scores, "b": noisy}[a.score], included, 1e-5, 1 - 0.05 / 4, method=a.method
+        )
+        assert a.epsilon == alone.epsilon and (a.r, a.v) == (alone.r, alone.v)
+    # a larger family (another run's tests) costs each test more, never less
+    wider = audit_scores({"a": scores}, included, 1e-5, 0.95, methods=["steinke2023"], tests=8)
+    assert wider[0].tests == 8 and wider[0].epsilon <= found[0].epsilon
+    with pytest.raises(ValueError, match="tests=1 is not allowed"):
+        audit_scores({"a": scores, "b": noisy}, included, 1e-5, 0.95, tests=1)
+    with pytest.raises(ValueError, match="methods holds 'lira'"):
+        audit_scores({"a": scores}, included, 1e-5, 0.95, methods=["lira"])
+    with pytest.raises(ValueError, match=r"scores=\{\} is not allowed"):
+        audit_scores({}, included, 1e-5, 0.95)
+
+
+def test_bonferroni_over_scores_keeps_the_size_when_nothing_leaks():
+    """Three independent null scores per run, flagged if any bound is > 0: at most 5% of
+    runs, as the correction promises (without it, about 3 x the per-test rate)."""
+    rng = np.random.default_rng(7)
+    flagged = 0
+    runs = 200
+    for _ in range(runs):
+        included = rng.random(200) < 0.5
+        found = audit_scores(
+            {k: rng.normal(size=200) for k in "xyz"}, included, 0.0, 0.95, methods=["steinke2023"]
+        )
+        flagged += any(a.epsilon > 0 for a in found)
+    assert flagged / runs <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / runs)
+
+
+def test_steinke_ceiling_is_the_best_all_correct_bound():
+    for m, delta in [(1000, 1e-3), (1000, 1e-5), (20_000, 1e-5)]:
+        grid = default_guess_candidates(m)
+        per_test = 1 - 0.05 / len(grid)
+        brute = max(epsilon_lower_bound(m, kp + km, kp + km, delta, per_test) for kp, km in grid)
+        assert steinke_ceiling(m, delta, 0.95) == pytest.approx(brute, abs=1e-8)
+    assert steinke_ceiling(1000, 1e-3, 0.95) == 0.0  # the issue's measurement
+    # no outcome beats it: perfectly separated canaries come close (their guess counts of
+    # the grid are all right only where they do not exceed the ~10^4 included ones)
+    included = np.random.default_rng(1).random(20_000) < 0.5
+    best = one_run_audit(included.astype(float), included, 1e-5, 0.95)
+    ceiling = steinke_ceiling(20_000, 1e-5, 0.95)
+    assert 0.9 * ceiling < best.epsilon <= ceiling
+    assert steinke_ceiling(20_000, 1e-5, 0.95, tests=6) < steinke_ceiling(20_000, 1e-5, 0.95)
+
+
+@pytest.mark.slow
+def test_steinke_ceiling_at_a_million_canaries():
+    # the issue's number: no Poisson-sampled run claiming more than 4.22 can be flagged
+    assert steinke_ceiling(10**6, 1e-5, 0.95) == pytest.approx(4.224, abs=1e-3)
+
+
+@pytest.mark.parametrize(("r", "v"), [(100_000, 60_000), (100_000, 99_000), (300_000, 150_500)])
+@pytest.mark.parametrize("eps", [0.1, 1.0, 3.0])
+def test_p_value_sums_only_what_matters(r, v, eps):
+    """The p-value's sums skip binomial terms far from the mode and v: the full sums agree."""
+    m, delta = 10**6, 1e-5
+    q = float(special.expit(eps))
+    log_pmf = stats.binom.logpmf(np.arange(r + 1), r, q)
+    log_f = special.logsumexp(log_pmf[v:])
+    windows = np.logaddexp.accumulate(log_pmf[v - 1 :: -1]) - np.log(np.arange(1, v + 1))
+    full = min(1.0, math.exp(np.logaddexp(log_f, math.log(2 * m * delta) + windows.max())))
+    assert one_run_p_value(m, r, v, eps, delta) == pytest.approx(full, rel=1e-9, abs=1e-300)
 
 
 def _v(scores, included, kp, km):

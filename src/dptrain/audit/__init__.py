@@ -6,8 +6,10 @@ run it on E2E. The recipe :mod:`dptrain.recipes.exposure` trains the models
 (``dptrain audit exposure``).
 
 :mod:`dptrain.audit.one_run`: one-run auditing (Steinke et al. 2023; Mahloujifar et al.
-2025), an epsilon lower bound from canary scores; :mod:`dptrain.audit.gradient_canaries`:
-the white-box canaries that produce such scores during a private run.
+2025), an epsilon lower bound from canary scores (several scores of one run as one
+family of tests: :func:`audit_scores`); :mod:`dptrain.audit.gradient_canaries`: the
+white-box canaries that produce such scores (their sum, per-step and per-tensor
+likelihood ratios) during a private run.
 
 :mod:`dptrain.audit.lira`: membership inference, the likelihood-ratio attack (LiRA,
 Carlini et al. 2022) with shadow models and the loss-threshold baseline, and their ROC
@@ -30,7 +32,12 @@ from dptrain.audit.exposure import (
     make_canaries,
     skewnorm_logcdf,
 )
-from dptrain.audit.gradient_canaries import GradientCanaries
+from dptrain.audit.gradient_canaries import (
+    DEFAULT_NORM_IN_C,
+    MIN_CANARIES_PER_TENSOR,
+    SCORES,
+    GradientCanaries,
+)
 from dptrain.audit.lira import (
     DEFAULT_FPRS,
     AttackMetrics,
@@ -50,6 +57,7 @@ from dptrain.audit.lira import (
 from dptrain.audit.one_run import (
     METHODS,
     OneRunAudit,
+    audit_scores,
     count_correct,
     default_guess_candidates,
     epsilon_lower_bound,
@@ -59,13 +67,17 @@ from dptrain.audit.one_run import (
     one_run_audit,
     one_run_p_value,
     pure_epsilon_all_correct,
+    steinke_ceiling,
 )
 
 __all__ = [
     "DEFAULT_FPRS",
+    "DEFAULT_NORM_IN_C",
     "DEFAULT_PREFIX_FORMAT",
     "METHODS",
+    "MIN_CANARIES_PER_TENSOR",
     "MIN_DISTRIBUTION_SAMPLES",
+    "SCORES",
     "AttackMetrics",
     "Canary",
     "CanarySet",
@@ -73,6 +85,7 @@ __all__ = [
     "OneRunAudit",
     "SkewNormalFit",
     "attack_metrics",
+    "audit_scores",
     "balanced_accuracy",
     "candidate_words",
     "check_encodable",
@@ -100,5 +113,6 @@ __all__ = [
     "roc_auc",
     "roc_curve",
     "skewnorm_logcdf",
+    "steinke_ceiling",
     "tpr_at_fpr",
 ]

@@ -14,14 +14,35 @@ then joins each step like a record of the data set:
   to C), and added to the clipped sums before the noise,
 - the optimizer adds the noise, divides by q N and steps as always.
 
-After the noise, canary j's score grows by the noised sum at k_j (the update
-rescaled by q N). The mechanism the accountant describes releases exactly these
-noised sums, so a run that is (epsilon, delta)-DP per record is so per canary,
-and :func:`dptrain.audit.one_run.one_run_audit` turns the scores into a lower
-bound on epsilon. This audits the clip factors, the noise, the sampling rate
-and the ledger (a ledger that under-counts steps claims too small an epsilon);
-it does not audit the engine's per-example norms (canaries do not pass through
-the model): the black-box audit does.
+After the noise, canary j is observed at every step: ``x_tj``, the noised sum at
+k_j (the update rescaled by q N) times the canary's sign at that step. The mechanism
+the accountant describes releases exactly these noised sums, so a run that is
+(epsilon, delta)-DP per record is so per canary, and any score computed from the
+observations alone (never from the inclusion bits) turns into a lower bound on
+epsilon by :func:`dptrain.audit.one_run.audit_scores`. This audits the clip
+factors, the noise, the sampling rate the optimizer is told and the ledger (a
+ledger that under-counts steps claims too small an epsilon); it does not audit the
+engine's per-example norms or the data sampler (canaries neither pass through the
+model nor are drawn by the sampler): the black-box audit does.
+
+**Signs.** A canary's gradient changes sign from step to step: at steps 2i and
+2i + 1 it is ``+-norm`` and ``-+norm`` (the sign drawn per canary and pair). A
+record may have any gradient at any step, so the guarantee covers such canaries;
+what it buys is that noise which repeats from one step to the next (a generator
+reseeded every step) cancels in the signed sum, while independent noise does not.
+
+**Scores** (:data:`SCORES`), each a function of the observations alone:
+
+- ``"sum"``: ``sum_t x_tj``, Steinke et al.'s white-box score.
+- ``"per-step"``: the log-likelihood ratio of "present" against "absent" with a
+  noise variance estimated per step from all canaries' observations,
+  ``v_t = Var_j(x_tj) - mu^2 pi (1 - pi)`` (``mu`` = min(norm, C), what a correctly
+  clipped canary adds; ``pi = q / 2`` the share of canaries present), summed over
+  steps: ``log(1 - q + q exp((x mu - mu^2 / 2) / v_t))``. A step whose noise is
+  missing or small gets a large weight and separates its canaries.
+- ``"per-tensor"``: the same with the variance estimated per step and per tensor
+  (tensors with fewer than :data:`MIN_CANARIES_PER_TENSOR` canaries use the step's):
+  noise missing from some tensors separates the canaries on them.
 
 Dirac canaries on distinct coordinates do not interfere with each other, and real
 gradients at a random coordinate are small next to C, so the scores of included
@@ -39,9 +60,41 @@ import numpy as np
 import torch
 
 from dptrain._checks import check_int, check_positive
-from dptrain.audit.one_run import OneRunAudit, one_run_audit
+from dptrain.audit.one_run import (
+    METHODS,
+    OneRunAudit,
+    audit_scores,
+    one_run_audit,
+    steinke_ceiling,
+)
 
-__all__ = ["GradientCanaries"]
+__all__ = ["DEFAULT_NORM_IN_C", "MIN_CANARIES_PER_TENSOR", "SCORES", "GradientCanaries"]
+
+#: The canaries' norm before clipping, in units of C, unless given.
+DEFAULT_NORM_IN_C = 10.0
+#: The scores every white-box audit reports, in this order.
+SCORES: tuple[str, ...] = ("sum", "per-step", "per-tensor")
+#: A tensor with fewer canaries uses the step's pooled noise estimate: a variance from a
+#: handful of values would be too noisy to weigh a step by.
+MIN_CANARIES_PER_TENSOR = 100
+# A variance estimate at or below 0 (a step or tensor without noise) is raised to this
+# share of mu^2: the likelihood ratio is then huge and of the right sign for every canary.
+_VAR_FLOOR = 1e-12
+
+
+def _noise_variance(x: torch.Tensor, mu: float, present_share: float) -> float:
+    """Var(x) less the spread the present canaries add (mu with probability pi)."""
+    v = float(x.var()) - mu * mu * present_share * (1.0 - present_share)
+    return max(v, _VAR_FLOOR * mu * mu)
+
+
+def _log_likelihood_ratio(x: torch.Tensor, mu: float, var: float, q: float) -> torch.Tensor:
+    """log of [q N(x; mu, var) + (1 - q) N(x; 0, var)] / N(x; 0, var): included (sampled
+    with probability q, then adding mu) against left out."""
+    shift = (x * mu - 0.5 * mu * mu) / var
+    if q >= 1.0:
+        return shift
+    return torch.logaddexp(torch.full_like(x, math.log1p(-q)), shift + math.log(q))
 
 
 class GradientCanaries:
@@ -50,8 +103,10 @@ class GradientCanaries:
     Args:
         params: the trainable parameters (the canaries' coordinates are drawn among them).
         m: number of canaries (>= 2, at most the number of coordinates).
-        norm: each canary gradient's norm before clipping (default: exactly the
-            optimizer's C at attach time; larger values test that clipping cuts them).
+        norm: each canary gradient's norm before clipping (default:
+            :data:`DEFAULT_NORM_IN_C` times the optimizer's C at attach time: above C, so
+            that clipping which is off or too loose lets them in larger; at exactly C
+            such a bug would not touch them).
         seed: fixes the coordinates, the inclusions and the per-step sampling.
 
     Use::
@@ -91,9 +146,27 @@ class GradientCanaries:
             for i in range(len(self.params))
             if (owner == i).any()
         ]
-        self.scores = torch.zeros(self.m, dtype=torch.float64)
+        #: Each score of :data:`SCORES` per canary (higher: more likely included).
+        self.score_by_name = {name: torch.zeros(self.m, dtype=torch.float64) for name in SCORES}
         self.steps = 0
         self.sampled = torch.zeros(self.m, dtype=torch.long)
+        #: q of every observed step, and the noise std estimated at it (pooled, in units
+        #: of the clipped sum: sigma C for a correct step).
+        self.sample_rates: list[float] = []
+        self.noise_std: list[float] = []
+        self._pair_signs = torch.ones(self.m, dtype=torch.float64)
+        self._signs = self._pair_signs
+
+    @property
+    def signs(self) -> torch.Tensor:
+        """Each canary's sign at the current (or last) step: +-1, flipped at the second
+        step of each pair."""
+        return self._signs
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """The ``"sum"`` score: sum over steps of the signed observations."""
+        return self.score_by_name["sum"]
 
     def attach(self, optimizer: Any) -> GradientCanaries:
         """Make ``optimizer`` (a :class:`dptrain.optim.DPOptimizer`) add and observe the
@@ -119,7 +192,7 @@ class GradientCanaries:
         if not ours <= {id(p) for p in optimizer.params()}:
             raise ValueError("the canaries' parameters are not all updated by this optimizer")
         if self.norm is None:
-            self.norm = float(optimizer.max_grad_norm)
+            self.norm = DEFAULT_NORM_IN_C * float(optimizer.max_grad_norm)
         optimizer.audit_hook = self
         return self
 
@@ -132,20 +205,44 @@ class GradientCanaries:
         drawn = torch.rand(self.m, generator=self._gen, dtype=torch.float64) < q
         present = drawn & self.included
         self.sampled += present.long()
+        if self.steps % 2 == 0:  # a new pair of steps: new signs, flipped at the next step
+            flip = torch.rand(self.m, generator=self._gen, dtype=torch.float64) < 0.5
+            self._pair_signs = 1.0 - 2.0 * flip.double()
+            self._signs = self._pair_signs
+        else:
+            self._signs = -self._pair_signs
         factor = float(optimizer.engine.clip_factors(torch.tensor([self.norm]))[0])
         value = self.norm * factor
         for i, which, flat in self._groups:
             p = self.params[i]
             s = optimizer.clipped_sum(p)  # at least float32: a bf16 p.grad would round
-            add = present[which].to(s.dtype) * value
-            s.view(-1).index_add_(0, flat.to(p.device), add.to(p.device))
+            add = present[which].double() * self._signs[which] * value
+            s.view(-1).index_add_(0, flat.to(p.device), add.to(s.dtype).to(p.device))
 
     def after_noise(self, optimizer: Any) -> None:
-        """Score += the noised sum at each canary's coordinate (the update times q N)."""
+        """Observe the noised sum at each canary's coordinate (the update times q N, times
+        the canary's sign) and add each score's share of this step."""
         scale = optimizer.expected_batch_size
+        x = torch.empty(self.m, dtype=torch.float64)
         for i, which, flat in self._groups:
             got = self.params[i].grad.detach().reshape(-1)[flat.to(self.params[i].device)]
-            self.scores[which] += got.double().cpu() * scale
+            x[which] = got.double().cpu() * scale
+        x *= self._signs
+        q = float(optimizer.sample_rate)
+        # what a correctly clipped canary adds: the auditor's model, not the engine's factor
+        mu = min(self.norm, float(optimizer.max_grad_norm))
+        share = q / 2.0  # included with probability 1/2, then sampled with probability q
+        pooled = _noise_variance(x, mu, share)
+        per_tensor = torch.empty_like(x)
+        for _, which, _ in self._groups:
+            xs = x[which]
+            var = _noise_variance(xs, mu, share) if len(xs) >= MIN_CANARIES_PER_TENSOR else pooled
+            per_tensor[which] = _log_likelihood_ratio(xs, mu, var, q)
+        self.score_by_name["sum"] += x
+        self.score_by_name["per-step"] += _log_likelihood_ratio(x, mu, pooled, q)
+        self.score_by_name["per-tensor"] += per_tensor
+        self.sample_rates.append(q)
+        self.noise_std.append(math.sqrt(pooled))
         self.steps += 1
 
     # -- the result -----------------------------------------------------------------------
@@ -158,32 +255,94 @@ class GradientCanaries:
         method: str = "steinke2023",
         k_plus: int | None = None,
         k_minus: int | None = None,
+        score: str = "sum",
+        tests: int = 1,
     ) -> OneRunAudit:
-        """The epsilon lower bound from the scores (:func:`dptrain.audit.one_run.one_run_audit`)."""
-        if self.steps == 0:
-            raise ValueError("no step was observed: attach the canaries before training")
+        """One score's epsilon lower bound (:func:`dptrain.audit.one_run.one_run_audit`),
+        at ``confidence`` for a family of ``tests`` tests."""
+        self._check_observed()
+        if score not in SCORES:
+            raise ValueError(f"score={score!r} is not allowed: expected one of {list(SCORES)}")
         return one_run_audit(
-            self.scores.numpy(),
+            self.score_by_name[score].numpy(),
             self.included.numpy(),
             delta,
             confidence,
             k_plus,
             k_minus,
             method=method,
+            tests=tests,
+            score=score,
         )
 
-    def report(
-        self, claimed_epsilon: float, delta: float, ledger: Any, confidence: float = 0.95
-    ) -> dict[str, Any]:
-        """The audit section of a recipe's ``results.json``.
+    def full_batch(self) -> bool:
+        """Whether every observed step had q = 1 (the per-canary mechanism is then exactly
+        Gaussian, and the Gaussian f-DP analysis valid)."""
+        return bool(self.sample_rates) and all(q == 1.0 for q in self.sample_rates)
 
-        Steinke et al.'s bound always; the Gaussian f-DP one only where every step of the
-        ``ledger`` has q = 1 (full batches: the per-canary mechanism is then exactly
-        Gaussian, so its epsilon is a valid lower bound; under Poisson sampling it is not).
+    def methods(self) -> tuple[str, ...]:
+        """The analyses valid for this run: both for full batches, Steinke et al.'s alone
+        under Poisson sampling (the trade-off curve is then not Gaussian)."""
+        return METHODS if self.full_batch() else ("steinke2023",)
+
+    def audits(
+        self, delta: float, confidence: float = 0.95, *, tests: int | None = None
+    ) -> list[OneRunAudit]:
+        """Every score under every valid analysis (:meth:`methods`), one family at
+        ``confidence`` (Bonferroni over ``tests``, default the audits made here)."""
+        self._check_observed()
+        return audit_scores(
+            {name: t.numpy() for name, t in self.score_by_name.items()},
+            self.included.numpy(),
+            delta,
+            confidence,
+            methods=self.methods(),
+            tests=tests,
+        )
+
+    def _check_observed(self) -> None:
+        if self.steps == 0:
+            raise ValueError("no step was observed: attach the canaries before training")
+
+    def report(
+        self,
+        claimed_epsilon: float | None,
+        delta: float,
+        ledger: Any = None,
+        confidence: float = 0.95,
+    ) -> dict[str, Any]:
+        """The audit section of a recipe's ``results.json`` (and of the self-test).
+
+        Every score (:data:`SCORES`) under every valid analysis, Bonferroni-corrected
+        together; the Gaussian f-DP analysis only where every step (and every step of
+        the ``ledger``, when given) has q = 1. ``status``: ``"flagged"`` (a bound above
+        the claim: the run is not as private as claimed), ``"not flagged"`` or
+        ``"no claim"`` (``claimed_epsilon`` None: nothing to test). ``ceiling`` is the
+        largest bound Steinke et al.'s analysis could give here
+        (:func:`dptrain.audit.one_run.steinke_ceiling`); under Poisson sampling a claim
+        above it cannot be flagged, and ``reach`` says so.
         """
-        full_batch = all(seg.sample_rate == 1.0 for seg in ledger.segments)
-        methods = ["steinke2023", "mahloujifar2025-gdp"] if full_batch else ["steinke2023"]
-        audits = [self.audit(delta, confidence, method=m) for m in methods]
+        full = self.full_batch() and (
+            ledger is None or all(seg.sample_rate == 1.0 for seg in ledger.segments)
+        )
+        methods = METHODS if full else ("steinke2023",)
+        audits = audit_scores(
+            {name: t.numpy() for name, t in self.score_by_name.items()},
+            self.included.numpy(),
+            delta,
+            confidence,
+            methods=methods,
+        )
+        tests = len(audits)
+        flagged = claimed_epsilon is not None and any(a.epsilon > claimed_epsilon for a in audits)
+        ceiling = None if full else steinke_ceiling(self.m, delta, confidence, tests)
+        status = "no claim" if claimed_epsilon is None else "flagged" if flagged else "not flagged"
+        reach = (
+            f"this audit cannot flag a claim above {ceiling:.2f} (Steinke et al.'s bound with "
+            f"{self.m} canaries at delta {delta:g}; the Gaussian analysis needs full batches)"
+            if ceiling is not None and claimed_epsilon is not None and claimed_epsilon > ceiling
+            else ""
+        )
         return {
             "kind": "white-box one-run audit (Dirac canary gradients, Steinke et al. 2023)",
             "canaries": self.m,
@@ -191,8 +350,18 @@ class GradientCanaries:
             "claimed_epsilon": claimed_epsilon,
             "delta": delta,
             "confidence": confidence,
-            "lower_bounds": {a.method: a.epsilon for a in audits},
-            "flagged": any(a.epsilon > claimed_epsilon for a in audits),
+            "correction": (
+                f"Bonferroni over {tests} tests ({len(SCORES)} scores x {len(methods)} "
+                f"analyses): each at level {(1 - confidence) / tests:.3g}"
+            ),
+            # per analysis, the largest over the scores (each already Bonferroni-corrected)
+            "lower_bounds": {m: max(a.epsilon for a in audits if a.method == m) for m in methods},
+            "lower_bounds_by_score": {f"{a.score}/{a.method}": a.epsilon for a in audits},
+            "audits": [a.to_dict() for a in audits],
+            "flagged": flagged,
+            "status": status,
+            "ceiling": ceiling,
+            "reach": reach,
             "separation": self.separation(),
             "note": (
                 "the canaries were added to this run's updates (each included one on one "

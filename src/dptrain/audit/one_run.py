@@ -45,13 +45,24 @@ for guesses fixed before the membership bits are looked at. :func:`one_run_audit
 therefore tests every candidate at level ``(1 - confidence) / G`` (Bonferroni
 over the ``G`` candidates, as ``jax_privacy.auditing``'s default threshold
 strategy does), so the reported maximum holds at ``confidence``.
+
+Several scores of the same run (:func:`audit_scores`: e.g. the white-box canaries'
+sum, per-step and per-tensor scores) and both analyses are ``k`` more tests of one
+null; flagging when any rejects is again a multiple comparison, paid the same way:
+each test at level ``(1 - confidence) / k`` (and ``/ G`` within it), so that "some
+bound exceeds the claim" has probability at most ``1 - confidence`` for a mechanism
+that meets it.
+
+:func:`steinke_ceiling` is the largest bound Steinke et al.'s analysis can give for
+``m`` canaries at all (every guess right): a claim above it cannot be flagged by that
+analysis, whatever the mechanism does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +74,7 @@ from dptrain.accounting.gdp import gdp_epsilon
 __all__ = [
     "METHODS",
     "OneRunAudit",
+    "audit_scores",
     "count_correct",
     "default_guess_candidates",
     "epsilon_lower_bound",
@@ -72,6 +84,7 @@ __all__ = [
     "one_run_audit",
     "one_run_p_value",
     "pure_epsilon_all_correct",
+    "steinke_ceiling",
 ]
 
 #: The analyses :func:`one_run_audit` knows, by the name it reports.
@@ -81,6 +94,9 @@ METHODS: tuple[str, ...] = ("steinke2023", "mahloujifar2025-gdp")
 # lower end, a rejected value, is returned, so stopping early only loosens the bound.
 _TOL = 1e-10
 _MAX_HALVINGS = 200
+# Binomial terms farther than this many standard deviations from the mode and from v are
+# left out of the p-value's sums (each is below e^-(this^2 / 2) of the ones kept).
+_TAIL_SDS = 45.0
 # Every rejection set is bounded (even all-correct guesses certify a finite epsilon or mu), so
 # doubling always stops; this limit only turns a bug into an error instead of an endless loop.
 _MAX_UPPER = 1e6
@@ -207,13 +223,20 @@ def _log_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     if v == 0:
         return 0.0  # P[V >= 0] = 1
     q = float(special.expit(epsilon))  # e^eps / (1 + e^eps), without overflow
-    log_pmf = stats.binom.logpmf(np.arange(r + 1), r, q)
-    log_f = float(special.logsumexp(log_pmf[v:]))  # log P[B >= v]
+    # Only k within _TAIL_SDS standard deviations of [mode, v] can matter: farther terms
+    # are below e^-1000 of their neighbours' (the pmf decays at least like a Gaussian
+    # beyond the mode), and the windows' max over i is reached before they start.
+    # For r = 10^6 this is about 50,000 terms instead of 10^6, per evaluation.
+    mode, spread = r * q, _TAIL_SDS * math.sqrt(r * q * (1.0 - q)) + _TAIL_SDS
+    lo = max(0, min(v - 1, math.floor(mode - spread)))
+    hi = min(r, max(v, math.ceil(mode + spread)))
+    log_pmf = stats.binom.logpmf(np.arange(lo, hi + 1), r, q)
+    log_f = float(special.logsumexp(log_pmf[v - lo :]))  # log P[B >= v]
     if delta == 0.0:
         return log_f
-    # log P[v - i <= B <= v - 1] for i = 1..v, by accumulating from k = v - 1 downwards
-    log_windows = np.logaddexp.accumulate(log_pmf[v - 1 :: -1])
-    log_alpha = float(np.max(log_windows - np.log(np.arange(1, v + 1))))
+    # log P[v - i <= B <= v - 1] for i = 1..v - lo, by accumulating from k = v - 1 downwards
+    log_windows = np.logaddexp.accumulate(log_pmf[v - 1 - lo :: -1])
+    log_alpha = float(np.max(log_windows - np.log(np.arange(1, v - lo + 1))))
     return float(np.logaddexp(log_f, math.log(2.0 * m * delta) + log_alpha))
 
 
@@ -402,8 +425,11 @@ class OneRunAudit:
 
     ``epsilon`` is the lower bound at ``delta``, holding with probability
     ``confidence`` (over the inclusion bits) for the whole search over
-    ``n_candidates`` choices of ``(k_plus, k_minus)``. ``mu`` is the GDP lower
-    bound for ``method == "mahloujifar2025-gdp"`` and None otherwise.
+    ``n_candidates`` choices of ``(k_plus, k_minus)`` and the ``tests`` tests of the
+    family it belongs to (:func:`audit_scores`; each candidate is tested at level
+    ``(1 - confidence) / (n_candidates * tests)``). ``mu`` is the GDP lower bound for
+    ``method == "mahloujifar2025-gdp"`` and None otherwise. ``score`` names the score
+    the canaries were ranked by ("" when there is one).
     """
 
     epsilon: float
@@ -417,6 +443,8 @@ class OneRunAudit:
     delta: float
     n_candidates: int
     mu: float | None = None
+    score: str = ""
+    tests: int = 1
 
     @property
     def accuracy(self) -> float:
@@ -460,6 +488,8 @@ def one_run_audit(
     method: str = "steinke2023",
     candidates: Sequence[tuple[int, int]] | None = None,
     seed: int | None = 0,
+    tests: int = 1,
+    score: str = "",
 ) -> OneRunAudit:
     """Epsilon lower bound from one run: canary scores and inclusion bits in, a bound out.
 
@@ -483,6 +513,10 @@ def one_run_audit(
         candidates: ``(k_plus, k_minus)`` pairs to search; default
             :func:`default_guess_candidates`.
         seed: fixes the random order among tied scores.
+        tests: the number of tests in the family this one belongs to (several scores or
+            analyses of one run, :func:`audit_scores`): the level is divided by it too
+            (Bonferroni), so that the family holds at ``confidence``.
+        score: the name of the score, kept in the result.
 
     Among candidates with the same bound (e.g. all 0), the first is reported.
     """
@@ -517,7 +551,8 @@ def one_run_audit(
         )
         if not grid:
             raise ValueError("candidates=[] is not allowed: expected at least one (k+, k-)")
-    per_test_confidence = 1.0 - (1.0 - confidence) / len(grid)
+    tests = check_int("tests", tests, 1)
+    per_test_confidence = 1.0 - (1.0 - confidence) / (len(grid) * tests)
 
     # v for every candidate from one sort: included counts among the lowest / highest scores
     included_sorted = inc[_ascending_order(s, seed)].astype(np.int64)
@@ -559,4 +594,67 @@ def one_run_audit(
         delta=delta,
         n_candidates=len(grid),
         mu=mu,
+        score=score,
+        tests=tests,
     )
+
+
+def audit_scores(
+    scores: Mapping[str, Iterable[float]],
+    included: Iterable[Any],
+    delta: float,
+    confidence: float,
+    *,
+    methods: Sequence[str] = METHODS,
+    tests: int | None = None,
+) -> list[OneRunAudit]:
+    """Every score under every method, as one family of tests at ``confidence``.
+
+    ``scores`` maps a name to one score per canary (all of the same canaries, whose
+    inclusion is ``included``). The family has ``tests`` members (default: the
+    ``len(scores) * len(methods)`` audits made here; give more when other audits of
+    the same claim are flagged together with these, e.g. a second run), and each is
+    tested at level ``(1 - confidence) / tests`` (Bonferroni): the chance that any
+    reported bound exceeds the epsilon of a mechanism that meets its claim is at most
+    ``1 - confidence``. Returns one :class:`OneRunAudit` per (score, method), scores
+    in the given order.
+    """
+    if not scores:
+        raise ValueError("scores={} is not allowed: expected at least one named score")
+    for method in methods:
+        if method not in METHODS:
+            raise ValueError(f"methods holds {method!r}: expected names in {list(METHODS)}")
+    if not methods:
+        raise ValueError("methods=[] is not allowed: expected at least one of " + str(METHODS))
+    inc = _included_array(included)
+    n = len(scores) * len(methods)
+    tests = n if tests is None else check_int("tests", tests, n)
+    return [
+        one_run_audit(s, inc, delta, confidence, method=m, tests=tests, score=name)
+        for name, s in scores.items()
+        for m in methods
+    ]
+
+
+def steinke_ceiling(m: int, delta: float, confidence: float, tests: int = 1) -> float:
+    """The largest epsilon Steinke et al.'s analysis can certify with ``m`` canaries.
+
+    The bound grows with the correct guesses, so its largest value is reached when
+    every guess is right: the max over the default guess counts ``r`` of the bound
+    for ``v = r``, each at the level :func:`one_run_audit` would use
+    (``(1 - confidence) / (G * tests)``, ``G`` candidates). A claimed epsilon above
+    it cannot be flagged by this analysis whatever the mechanism leaks: with m = 10^6
+    and delta = 1e-5 it is 4.22 (the 2 m delta term, 20 there, caps it); it is the
+    only analysis valid for a Poisson-sampled run.
+    """
+    m = check_int("m", m, 2)
+    delta = _check_audit_delta(delta)
+    tests = check_int("tests", tests, 1)
+    grid = default_guess_candidates(m)
+    per_test = 1.0 - (1.0 - _check_confidence(confidence)) / (len(grid) * tests)
+    best = 0.0
+    for r in sorted({kp + km for kp, km in grid}):
+        rejects = _steinke_rejects(m, r, r, delta, per_test)
+        if rejects(best):  # only a count that beats the best so far is searched
+            best = _largest_rejected(rejects, start=max(best, 1.0))
+    return best

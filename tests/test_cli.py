@@ -309,3 +309,54 @@ def test_installed_entry_point_runs():
     )
     assert proc.returncode == 2
     assert "delta=0.0 is outside the allowed range (0, 1)" in proc.stderr
+
+
+# -- train ... audit=true: the audit's verdict is the exit code ------------------------------
+
+
+def _seqrec_argv(tmp_path, *extra):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    rows = [
+        (f"u{u}", int(i) + 100, 1_000 + t)
+        for u in range(40)
+        for t, i in enumerate(rng.choice(12, size=8, replace=False))
+    ]
+    data = tmp_path / "inter.csv"
+    pd.DataFrame(rows, columns=["user_id", "item_id", "timestamp"]).to_csv(data, index=False)
+    base = ["train", "seqrec", f"data={data}", "model=gru", "max_len=6", "d_model=8"]
+    return [*base, "progress=false", f"out={tmp_path / 'run'}", "audit=true", *extra]
+
+
+def test_train_with_audit_exits_0_when_nothing_is_flagged(tmp_path, capsys):
+    argv = _seqrec_argv(tmp_path, "epochs=2", "batch_size=16", "audit_canaries=1000")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "audit (Bonferroni over 3 tests" in out and "not flagged" in out
+
+
+def test_train_with_audit_exits_1_when_flagged(tmp_path, capsys):
+    from tests.audit import faults
+
+    # full batches (q = 1: the Gaussian analysis applies), delta 1e-5, noise repeated at
+    # every step: the signed canaries see it
+    argv = _seqrec_argv(
+        tmp_path, "epochs=4", "batch_size=40", "epsilon=1", "delta=1e-5", "audit_canaries=4000"
+    )
+    with faults.same_noise_each_step():
+        assert main(argv) == 1
+    assert ": flagged; lower bounds" in capsys.readouterr().out
+
+
+def test_train_with_audit_exits_2_when_it_crashes(tmp_path, capsys, monkeypatch):
+    from dptrain.audit import GradientCanaries
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(GradientCanaries, "report", broken)
+    argv = _seqrec_argv(tmp_path, "epochs=1", "batch_size=16", "audit_canaries=1000")
+    assert main(argv) == 2
+    assert "could not run (RuntimeError: disk full)" in capsys.readouterr().err

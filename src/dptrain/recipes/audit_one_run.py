@@ -100,7 +100,7 @@ class OneRunAuditConfig:
     tokens: int = 4
     """Black-box: tokens per example (a canary repeats one vector)."""
     canaries: int = 0
-    """m; 0: one per weight (width^2) white-box, 10,000 black-box (both runs of the
+    """m; 0: one per weight (width^2) white-box, 20,000 black-box (both runs of the
     self-test take a value given)."""
     examples: int = 64
     batch_size: str = "full"
@@ -128,7 +128,7 @@ def load_one_run_config(
     if cfg.width == 0 and cfg.mode != "selftest":
         cfg.width = 1000 if cfg.mode == "whitebox" else 512
     if cfg.canaries == 0 and cfg.mode == "blackbox":
-        cfg.canaries = 10_000
+        cfg.canaries = 20_000
     check_int("classes", cfg.classes, 2)
     check_int("tokens", cfg.tokens, 1)
     check_positive("epsilon", cfg.epsilon)
@@ -251,7 +251,7 @@ def blackbox_run(
     for every C (inputs, clipped sums and noise all scale with C).
     """
     gen = torch.Generator().manual_seed(cfg.seed)
-    d, t, m = cfg.width or 512, cfg.tokens, cfg.canaries or 10_000
+    d, t, m = cfg.width or 512, cfg.tokens, cfg.canaries or 20_000
     c = cfg.max_grad_norm
 
     def bags(n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -149,10 +149,11 @@ def test_each_score_sees_what_the_others_do_not():
 @pytest.mark.slow
 def test_a_ledger_that_records_half_the_steps_is_flagged():
     # It claims sqrt(1/2) of the true mu, so the audit must be tighter than 0.71 of the
-    # truth: 4 x 10^6 canaries (10^6 reach 0.64-0.68 of it; docs/audit.md).
+    # truth: one test (the sum score, the Gaussian analysis) at 4 x 10^6 canaries; the
+    # default family of 8 tests at 10^6 is not that tight (docs/audit.md).
     claimed, canaries = audited_run(8.0, fault="ledger half", d=2000)
     assert claimed < 5.5  # it did under-count
-    assert bounds(canaries, tests=6)[("sum", GDP)] > claimed
+    assert canaries.audit(DELTA, method=GDP).epsilon > claimed
 
 
 def test_canaries_at_exactly_c_miss_clipping_off():

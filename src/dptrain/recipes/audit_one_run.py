@@ -148,10 +148,13 @@ def load_one_run_config(
             size = int(cfg.batch_size)
         except ValueError:
             size = 0
-        if not 1 <= size <= cfg.examples:
+        # the black-box data set is the examples and the included canaries (about half)
+        most = cfg.examples if cfg.mode != "blackbox" else cfg.examples + cfg.canaries // 3
+        if not 1 <= size <= most:
             raise ConfigError(
                 f"batch_size={cfg.batch_size!r} is not allowed: expected 'full' or an expected "
-                f"batch size in [1, examples={cfg.examples}]"
+                f"batch size in [1, {most}] (examples={cfg.examples}"
+                + (f" and a third of canaries={cfg.canaries})" if cfg.mode == "blackbox" else ")")
             )
     whitebox = cfg.mode != "blackbox"
     if whitebox and cfg.tensors > (cfg.width or 1000):

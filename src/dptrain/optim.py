@@ -30,8 +30,9 @@ from torch import Tensor
 
 from dptrain._checks import check_int, check_positive, check_sample_rate
 from dptrain.accounting import PrivacyLedger
-from dptrain.clipping.engine import ClippingEngine, ClipStats, upcast
+from dptrain.clipping.engine import ClippingEngine, ClipStats
 from dptrain.clipping.grad_store import LOW_PRECISION
+from dptrain.clipping.precision import upcast
 
 __all__ = ["DPOptimizer", "PrivacyBudgetExhaustedError", "StepMetrics", "noisy_clipped_gradient"]
 

@@ -81,8 +81,9 @@ from dptrain.accounting import (
     make_accountant,
     steps_from_epochs,
 )
-from dptrain.clipping.engine import CLIPPING_MODES, upcast
+from dptrain.clipping.engine import CLIPPING_MODES
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS
+from dptrain.clipping.precision import upcast
 from dptrain.config import save_config
 from dptrain.data.lm_records import (
     IGNORE_INDEX,

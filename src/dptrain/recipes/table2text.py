@@ -82,7 +82,7 @@ from dptrain.accounting import (
     steps_from_epochs,
 )
 from dptrain.audit.gradient_canaries import GradientCanaries
-from dptrain.clipping.engine import upcast
+from dptrain.clipping.precision import upcast
 from dptrain.config import save_config
 from dptrain.data.e2e import load_e2e
 from dptrain.losses import per_example_cross_entropy

@@ -61,6 +61,7 @@ MODULES = [
     "dptrain.distributed.sampling",
     "dptrain.distributed.setup",
     "dptrain.dpfp",
+    "dptrain.generators",
     "dptrain.hf",
     "dptrain.hf.arguments",
     "dptrain.hf.checkpoint",

@@ -32,6 +32,7 @@ from dptrain._checks import check_int, check_positive, check_sample_rate
 from dptrain.accounting import PrivacyLedger
 from dptrain.clipping.engine import ClippingEngine, ClipStats, upcast
 from dptrain.clipping.grad_store import LOW_PRECISION
+from dptrain.generators import canonical_device, restore_generator
 
 __all__ = ["DPOptimizer", "PrivacyBudgetExhaustedError", "StepMetrics", "noisy_clipped_gradient"]
 
@@ -185,6 +186,7 @@ class DPOptimizer(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
+        device = canonical_device(device)
         if device not in self._generators:
             # One seed for the run; each device's generator starts from it.
             seed = self._seed_arg if self._seed_arg is not None else self.seed
@@ -301,7 +303,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.sample_rate = state["sample_rate"]
         self.expected_batch_size = state["expected_batch_size"]
         for device, gen_state in state["generators"].items():
-            self._generator_for(torch.device(device)).set_state(gen_state)
+            # The state may arrive on the training device (accelerate moves every tensor of
+            # an optimizer's state there) or as a list: set_state takes a CPU uint8 tensor.
+            restore_generator(self._generator_for(torch.device(device)), gen_state)
 
     def __repr__(self) -> str:
         return (

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import default_collate
 
 from dptrain._checks import check_int, check_sample_rate
+from dptrain.generators import restore_generator
 
 __all__ = [
     "ChunkUnits",
@@ -217,7 +218,7 @@ class PoissonBatchSampler:
                 f"steps_drawn={steps_drawn!r} is not allowed: expected an integer <= "
                 f"steps={self.steps}"
             )
-        self.generator.set_state(torch.as_tensor(state["generator_state"], dtype=torch.uint8))
+        restore_generator(self.generator, state["generator_state"])
         self.seed = state["seed"]
         self._steps_drawn = steps_drawn
 

@@ -62,6 +62,7 @@ MODULES = [
     "dptrain.distributed.setup",
     "dptrain.dpfp",
     "dptrain.generators",
+    "dptrain.supported",
     "dptrain.hf",
     "dptrain.hf.arguments",
     "dptrain.hf.checkpoint",

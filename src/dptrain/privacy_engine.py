@@ -38,6 +38,7 @@ from dptrain.data import ChunkUnits, DPDataLoader, LogicalBatch
 from dptrain.data.hf_datasets import with_torch_rows
 from dptrain.data.poisson import group_records
 from dptrain.optim import DPOptimizer
+from dptrain.supported import check_model_supported, refuse_unsupported_autocast
 
 __all__ = ["PrivateTraining", "check_optimizer_matches", "make_private"]
 
@@ -208,6 +209,10 @@ def make_private(
             records, and each user's gradient summed over their records in the batch is
             clipped as one (:mod:`dptrain.clipping.units`), also across chunks.
         ledger: continue an existing ledger (a resumed run).
+
+    Trainable parameters must be float32, float64 or bfloat16 on a CPU or CUDA device,
+    and a forward under autocast must autocast to bfloat16 (:mod:`dptrain.supported`);
+    anything else is refused with a ValueError naming it.
     """
     dataset = getattr(data, "dataset", data)
     if collate_fn is None and isinstance(data, torch.utils.data.DataLoader):
@@ -270,6 +275,7 @@ def make_private(
     else:
         sigma = check_positive("noise_multiplier", noise_multiplier)
     check_optimizer_matches(model, optimizer)
+    check_model_supported(model)
     engine = ClippingEngine(
         model, max_grad_norm, clipping=clipping, mode=mode, norm_method=norm_method
     )
@@ -300,6 +306,9 @@ def make_private(
         unit_ids=user_ids,
         chunk_key=chunk_key,
     )
+    # float16 autocast is only visible when the forward runs: refused there, before the
+    # backward that would clip it (and so before the first step)
+    refuse_unsupported_autocast(model)
     return PrivateTraining(
         model=model,
         optimizer=dp_optimizer,

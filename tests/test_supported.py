@@ -10,7 +10,7 @@ from torch import nn
 
 from dptrain.losses import per_example_cross_entropy
 from dptrain.privacy_engine import make_private
-from dptrain.supported import check_autocast
+from dptrain.supported import check_autocast, check_device
 
 
 def _data(n: int = 40) -> torch.utils.data.TensorDataset:
@@ -100,3 +100,27 @@ def test_float16_autocast_is_refused_at_the_forward_before_any_step():
 
 def test_check_autocast_outside_autocast_passes():
     check_autocast()
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("tpu", "device='tpu' is not allowed: expected 'cpu', 'cuda' or 'cuda:N'"),
+        ("mps", "device='mps' is not allowed: expected 'cpu', 'cuda' or 'cuda:N'"),
+        ("cuda:99", "device='cuda:99' is not available here"),
+    ],
+)
+def test_check_device_names_the_value(value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_device(value)
+
+
+def test_check_device_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    message = (
+        "device='cuda' is not available here (PyTorch sees no CUDA device): expected device='cpu'"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_device("cuda")
+    assert check_device("cpu") == torch.device("cpu")

@@ -28,6 +28,7 @@ __all__ = [
     "SUPPORTED_DEVICE_TYPES",
     "SUPPORTED_PARAMETER_DTYPES",
     "check_autocast",
+    "check_device",
     "check_model_supported",
     "refuse_unsupported_autocast",
 ]
@@ -66,6 +67,35 @@ def check_model_supported(model: nn.Module) -> None:
                 f"allowed: expected a device of type {' or '.join(SUPPORTED_DEVICE_TYPES)}"
                 + (" (meta tensors hold no values)" if p.device.type == "meta" else "")
             )
+
+
+def check_device(value: str | torch.device, name: str = "device") -> torch.device:
+    """``value`` as a torch.device if it names a CPU or a CUDA device present here.
+
+    A recipe asks before it loads data or a model: ``device='cuda'`` on a machine without
+    one would otherwise fail inside ``model.to`` after the work that came before it.
+    """
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"{name}={value!r} is not allowed: expected 'cpu', 'cuda' or 'cuda:N'"
+        ) from e
+    if device.type not in SUPPORTED_DEVICE_TYPES:
+        raise ValueError(f"{name}={value!r} is not allowed: expected 'cpu', 'cuda' or 'cuda:N'")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"{name}={value!r} is not available here (PyTorch sees no CUDA device): "
+                f"expected {name}='cpu'"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"{name}={value!r} is not available here: expected 'cuda:0' to "
+                f"'cuda:{count - 1}' ({count} CUDA device(s))"
+            )
+    return device
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:

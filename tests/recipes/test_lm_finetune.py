@@ -456,3 +456,23 @@ def test_audit_section_in_results(files, tmp_path):
         dataclasses.replace(cfg, private=False)
     with pytest.raises(ValueError, match="audit=true is not allowed with clipping='per_layer'"):
         dataclasses.replace(cfg, clipping="per_layer")  # one clip factor per group, not per record
+
+
+@pytest.mark.parametrize("device", ["cuda:99", "mps"])
+def test_a_device_this_machine_lacks_is_named_by_the_cli(files, tmp_path, capsys, device):
+    """Refused with exit 2 before the data or the model are read; nothing is written."""
+    code = main(
+        [
+            "train",
+            "lm",
+            f"data={files / 'pc.jsonl'}",
+            f"model={files / 'tiny'}",
+            f"device={device}",
+            f"out={tmp_path / 'run'}",
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    expected = "is not available here" if device.startswith("cuda") else "is not allowed"
+    assert f"device='{device}' {expected}" in err
+    assert not (tmp_path / "run").exists()

@@ -124,6 +124,7 @@ from dptrain.recipes._schedules import (
     resolve_stages,
     schedule_function,
 )
+from dptrain.supported import check_device
 
 __all__ = [
     "LLAMA_PROJECTIONS",
@@ -286,10 +287,7 @@ class LMFinetuneConfig:
                 f"warmup_steps={self.warmup_steps} is not allowed: expected at most "
                 f"steps={self.steps}"
             )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(
-                f"device={self.device!r} is not allowed: expected 'cpu', 'cuda' or 'cuda:N'"
-            )
+        check_device(self.device)
 
     def _check_privacy(self) -> None:
         eps, sigma = self.epsilon, self.noise_multiplier

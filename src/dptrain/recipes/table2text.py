@@ -104,6 +104,7 @@ from dptrain.recipes._common import (
     resolve_delta,
 )
 from dptrain.recipes._schedules import lr_lambda
+from dptrain.supported import check_device
 
 __all__ = [
     "DECODE_BATCHING",
@@ -269,10 +270,7 @@ class Table2TextConfig:
                 f"n_embd={self.n_embd} is not allowed with n_head={self.n_head}: "
                 "expected a multiple of n_head"
             )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(
-                f"device={self.device!r} is not allowed: expected 'cpu', 'cuda' or 'cuda:N'"
-            )
+        check_device(self.device)
         if self.init_from is not None and not Path(self.init_from).is_dir():
             raise ValueError(
                 f"init_from={self.init_from!r} is not allowed: expected a local folder holding "

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session's checks for issue 27, in one call, timed to end within about 7.5 minutes (100 + 290 + 50 s and start-up):
+# One GPU session's checks for issue 27, in one call, timed to end within about 7.5 minutes
+# (100 + 290 + 50 s of stages, and start-up):
 #
 #   1. the CUDA tests: the engine's oracle tests on CUDA, generator states on CUDA, and
 #      DPTrainer on CUDA at bf16 and float32, with and without gradient accumulation,

@@ -156,6 +156,21 @@ def test_state_dict_resume_continues_the_same_batches():
     assert first + rest == list(PoissonBatchSampler(200, q, 5, seed=99))
 
 
+def test_state_whose_generator_state_was_moved_resumes():
+    """A state that went through accelerate's move_to_device as a tensor (on the GPU)."""
+    from tests.fake_device import FakeCudaTensor
+
+    sampler = PoissonBatchSampler(100, 0.2, 4, seed=3)
+    it = iter(sampler)
+    next(it)
+    state = sampler.state_dict()
+    rest = list(it)
+    moved = torch.tensor(state["generator_state"], dtype=torch.uint8)
+    resumed = PoissonBatchSampler(100, 0.2, 4)
+    resumed.load_state_dict({**state, "generator_state": FakeCudaTensor(moved)})
+    assert list(resumed) == rest
+
+
 def test_loader_state_dict_resume():
     data = torch.arange(30.0)
     loader = DPDataLoader(data, 0.3, 4, max_physical_batch_size=3, seed=8)

@@ -215,11 +215,11 @@ class BenchOptions:
             raise ValueError(f"timeout_s={self.timeout_s!r} is not allowed: expected > 0")
         check_amp(self.amp)
         device = check_device(self.device)
-        gpu_only = (
-            [n for n in (*self.workloads, *self.max_batch_workloads) if WORKLOADS[n].gpu]
-            if "timing" in self.parts or "memory" in self.parts or "max-batch" in self.parts
-            else []
-        )
+        measured = [
+            *(self.workloads if {"timing", "memory"} & set(self.parts) else ()),
+            *(self.max_batch_workloads if "max-batch" in self.parts else ()),
+        ]
+        gpu_only = [n for n in measured if WORKLOADS[n].gpu]
         if gpu_only and not device.startswith("cuda"):
             raise ValueError(
                 f"workloads={','.join(dict.fromkeys(gpu_only))} is not allowed on "

@@ -8,7 +8,9 @@ accountant's figures (ledger q and sigma, the optimizer's C) left as they were:
 - ``sampler_rate_times(k)``: the sampler draws records at k q while reporting q;
 - ``fixed_size_batches()``: batches of exactly round(q N) records, shuffled without
   replacement, reported as Poisson-sampled at q;
-- ``clipping_at(k)``: the engine clips at k C while the noise is calibrated to C.
+- ``clipping_at(k)``: the engine clips at k C while the noise is calibrated to C;
+- ``realised_divisor()``: the noised sum is divided by the realised batch size, not q N
+  (the fault one white-box run cannot see).
 
 Clipping off, a ledger that misses steps, noise divided by 4 and rows that are not records
 come from :mod:`tests.audit.faults`.
@@ -22,6 +24,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from dptrain import privacy_engine
 from dptrain.clipping import ClippingEngine
 from dptrain.clipping.functions import flat_factors
 from dptrain.data.poisson import PoissonBatchSampler
@@ -122,6 +125,23 @@ def clipping_at(k: float) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def realised_divisor() -> Iterator[None]:
+    # the loader make_private returns tells the optimizer each step's q; here it also sets
+    # the divisor to the batch it just drew
+    cls = privacy_engine._PrivateLoader
+    original = cls.__iter__
+
+    def iterate(self):
+        for batch in original(self):
+            self.optimizer.expected_batch_size = max(batch.size, 1)
+            yield batch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cls, "__iter__", iterate)
+        yield
+
+
 #: fault -> (context manager, the check that must flag it)
 FAULTS = {
     "same noise every step": (same_noise, "noise independent across steps"),
@@ -133,6 +153,7 @@ FAULTS = {
     "clipping off": (clipping_off, "one record moves"),
     "clipping at 2C": (lambda: clipping_at(2.0), "one record moves"),
     "ledger misses every other step": (ledger_records_half, "ledger steps"),
+    "divisor = realised batch size": (realised_divisor, "per-tensor noise std"),
 }
 
 __all__ = ["FAULTS", "rows_mixed"]

@@ -252,3 +252,53 @@ def test_per_rank_noise_streams_seeded_alike_are_flagged():
     assert not check.flagged and check.p_value is not None
     with pytest.raises(ValueError, match="at least 2"):
         independent_streams({"rank 0": _rank_noise(7)})
+
+
+# -- a DPTrainer ------------------------------------------------------------------------------
+
+
+def _tiny_trainer(output_dir, steps=12):
+    pytest.importorskip("transformers")
+    from dptrain.hf import DPTrainer, PrivacyArguments
+    from tests.hf import tiny
+
+    return DPTrainer(
+        model=tiny.llama(),
+        args=tiny.training_args(str(output_dir), max_steps=steps),
+        train_dataset=tiny.lm_records(80),
+        privacy_args=PrivacyArguments(
+            noise_multiplier=1.0, target_delta=1e-5, max_grad_norm=C, seed=3
+        ),
+    )
+
+
+@pytest.mark.slow  # trains two tiny trainers (~25 s on 2 shared cores)
+def test_a_dptrainer_is_checked_through_its_training_step_and_trains_as_if_unchecked(tmp_path):
+    checked_trainer = _tiny_trainer(tmp_path / "a")
+    report = check_properties(checked_trainer, steps=12)
+    assert not report.flagged and report.complete, report.table()
+    assert checked_trainer.privacy is None
+    checked_trainer.train()
+    plain = _tiny_trainer(tmp_path / "b")
+    plain.train()
+    assert checked_trainer.privacy.ledger == plain.privacy.ledger
+    assert checked_trainer.privacy.ledger.num_steps == 12
+    # no trace: the same seed gives the same batches and noise as a trainer never checked
+    for p, q in zip(checked_trainer.model.parameters(), plain.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_dptrainer_with_a_broken_mechanism_is_flagged(tmp_path):
+    fault, check = FAULTS["noise std without C"]
+    with fault():
+        report = check_properties(_tiny_trainer(tmp_path), steps=12)
+    assert any(n.startswith(check) for n in flagged_names(report)), report.table()
+
+
+def test_a_dptrainer_that_trained_is_refused(tmp_path):
+    trainer = _tiny_trainer(tmp_path, steps=2)
+    trainer.train()
+    with pytest.raises(ValueError, match="before train"):
+        check_properties(trainer)
+    with pytest.raises(ValueError, match="restore=False"):
+        check_properties(_tiny_trainer(tmp_path), restore=False)

@@ -479,10 +479,17 @@ def check_properties(
 
     Args:
         private: what :func:`dptrain.make_private` returned (one process; its data loader,
-            engine, optimizer and ledger are the ones exercised).
+            engine, optimizer and ledger are the ones exercised), or a
+            :class:`dptrain.hf.DPTrainer` before ``train()``: its private state is built as
+            ``train()`` builds it, each step is its own ``training_step``, and afterwards the
+            state is dropped (the model and the given optimizer restored), so ``train()``
+            then starts as if nothing had run (with ``PrivacyArguments.seed`` set, it draws
+            the very batches and noise the checks saw: do not release the report with the
+            model).
         steps: private steps to run (at most those the loader has left).
         loss_fn: ``(model, chunk) -> per-example losses`` for one physical chunk; default:
-            chunks are ``(inputs, targets)`` and the loss is per-example cross-entropy.
+            chunks are ``(inputs, targets)`` and the loss is per-example cross-entropy (a
+            DPTrainer's own per-example loss for a trainer).
         alpha: a correct run is flagged with probability below ``alpha``.
         probe_records: records of the first non-empty chunk probed by check (d).
         max_coordinates: per tensor, at most this many coordinates (drawn with ``seed``)
@@ -495,6 +502,93 @@ def check_properties(
 
     The report is not differentially private (module docstring).
     """
+    if _is_trainer(private):
+        if not restore:
+            raise ValueError(
+                "restore=False is not allowed with a DPTrainer: train it with train(), whose "
+                "steps Trainer counts; the checks' steps are dropped"
+            )
+        return _check_trainer(
+            private,
+            steps=steps,
+            loss_fn=loss_fn,
+            alpha=alpha,
+            probe_records=probe_records,
+            max_coordinates=max_coordinates,
+            seed=seed,
+            progress=progress,
+        )
+    return _check_run(
+        private,
+        None,
+        steps=steps,
+        loss_fn=loss_fn,
+        alpha=alpha,
+        probe_records=probe_records,
+        max_coordinates=max_coordinates,
+        seed=seed,
+        restore=restore,
+        progress=progress,
+    )
+
+
+def _is_trainer(run: Any) -> bool:
+    return all(hasattr(run, a) for a in ("training_step", "create_optimizer", "privacy_plan"))
+
+
+def _check_trainer(trainer: Any, **kw: Any) -> PropertyReport:
+    """A DPTrainer: its private state built as train() builds it, each step its own
+    training_step, the state dropped afterwards (train() then builds a fresh one)."""
+    from dptrain.hf.data import PoissonStep
+
+    if trainer.privacy is not None:
+        raise ValueError(
+            "this DPTrainer has trained already (its private state exists): run "
+            "check_properties on a new DPTrainer, before train()"
+        )
+    given = trainer.optimizer
+    trainer.create_optimizer()
+    private = trainer.privacy
+    device = trainer.args.device
+
+    def step(batch: Any) -> None:
+        trainer.training_step(trainer.model, PoissonStep(batch))
+
+    def loss(model: nn.Module, chunk: Any) -> Tensor:
+        return trainer.compute_per_example_loss(model, _to_device(chunk, device))
+
+    was_training = trainer.model.training
+    try:
+        trainer.model.train()
+        return _check_run(private, step, **{**kw, "loss_fn": kw["loss_fn"] or loss}, restore=True)
+    finally:
+        private.engine.detach()
+        trainer.model.train(was_training)
+        trainer.privacy = None
+        trainer.optimizer = given
+
+
+def _to_device(chunk: Any, device: torch.device) -> Any:
+    if isinstance(chunk, Mapping):
+        return {k: _to_device(v, device) for k, v in chunk.items()}
+    return chunk.to(device) if isinstance(chunk, Tensor) else chunk
+
+
+def _check_run(
+    private: Any,
+    step_fn: Callable[[Any], None] | None,
+    *,
+    steps: int,
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None,
+    alpha: float,
+    probe_records: int,
+    max_coordinates: int,
+    seed: int,
+    restore: bool,
+    progress: bool,
+) -> PropertyReport:
+    """check_properties on a make_private result; ``step_fn(batch)`` runs one private step
+    (default: every chunk through ``loss_fn`` and ``private.backward``, then the step)."""
     steps = check_int("steps", steps, 2)
     alpha = check_in_interval("alpha", alpha, 0.0, 1.0)
     probe_records = check_int("probe_records", probe_records, 1)
@@ -552,10 +646,13 @@ def check_properties(
                 break
             if probe is None and batch.chunks and batch.size:
                 probe = _probe(private, batch, loss_fn, probe_records)
-            opt.zero_grad(set_to_none=True)
-            for chunk in batch.chunks:
-                private.backward(loss_fn(model, chunk))
-            opt.step()
+            if step_fn is not None:
+                step_fn(batch)
+            else:
+                opt.zero_grad(set_to_none=True)
+                for chunk in batch.chunks:
+                    private.backward(loss_fn(model, chunk))
+                opt.step()
             sizes.append(int(batch.num_units))
             rates.append(float(batch.sample_rate))
         recorded = _ledger_steps(private.ledger)[ledger_before:]

@@ -302,3 +302,13 @@ def test_a_dptrainer_that_trained_is_refused(tmp_path):
         check_properties(trainer)
     with pytest.raises(ValueError, match="restore=False"):
         check_properties(_tiny_trainer(tmp_path), restore=False)
+
+
+def test_a_user_level_run_is_checked_per_user():
+    # 100 users of 4 records each: users are sampled (N = 100) and clipped as one
+    users = [i // 4 for i in range(400)]
+    report = checked(sigma=1.0, batch=10, steps=10, user_ids=users)
+    assert not report.flagged and report.complete, report.table()
+    assert max(report.batch_sizes) <= 100
+    report = checked(FAULTS["clipping at 2C"][0], sigma=1.0, batch=10, steps=10, user_ids=users)
+    assert flagged_names(report) == ["one record moves the clipped sum by <= C"], report.table()

@@ -711,7 +711,11 @@ def _audit_properties(args: argparse.Namespace) -> int:
         print(f"results: {cfg.out}/results.json")
     if report.flagged:
         return 1
-    return 0 if report.complete else 2
+    if not report.complete:
+        skipped = [c.name for c in report.checks if c.status == "not run"]
+        print(f"dptrain audit properties: checks that did not run: {skipped}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _study(args: argparse.Namespace, command: str) -> int:

@@ -288,6 +288,7 @@ def test_a_dptrainer_is_checked_through_its_training_step_and_trains_as_if_unche
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow  # transformers' import and a Llama's clipped steps (~15-40 s shared)
 def test_a_dptrainer_with_a_broken_mechanism_is_flagged(tmp_path):
     fault, check = FAULTS["noise std without C"]
     with fault():

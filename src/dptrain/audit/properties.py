@@ -105,6 +105,7 @@ class PropertyCheck:
 
     @property
     def flagged(self) -> bool:
+        """Whether this check flagged the run."""
         return self.status == FLAG
 
 
@@ -130,6 +131,7 @@ class PropertyReport:
         return all(c.status != NOT_RUN for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (``results.json``)."""
         return {
             "setting": self.setting,
             "steps": self.steps,

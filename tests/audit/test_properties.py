@@ -313,3 +313,21 @@ def test_a_user_level_run_is_checked_per_user():
     assert max(report.batch_sizes) <= 100
     report = checked(FAULTS["clipping at 2C"][0], sigma=1.0, batch=10, steps=10, user_ids=users)
     assert flagged_names(report) == ["one record moves the clipped sum by <= C"], report.table()
+
+
+def test_an_optimizer_that_steps_without_its_hook_does_not_pass_silently(monkeypatch):
+    original = DPOptimizer.step
+
+    def step(self, *args, **kwargs):
+        hook, self.audit_hook = self.audit_hook, None
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.audit_hook = hook
+
+    monkeypatch.setattr(DPOptimizer, "step", step)
+    report = checked(sigma=1.0, steps=6)
+    assert not report.complete and not report.flagged
+    assert [c.status for c in report.checks[:2]] == ["not run", "not run"]
+    assert "saw 0 of 6 steps" in report.checks[0].detail
+    assert "did not run" in report.table()

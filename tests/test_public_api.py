@@ -20,6 +20,7 @@ MODULES = [
     "dptrain.audit.exposure",
     "dptrain.audit.one_run",
     "dptrain.audit.lira",
+    "dptrain.audit.properties",
     "dptrain.bench",
     "dptrain.bench.accountants",
     "dptrain.bench.memory",
@@ -99,6 +100,7 @@ MODULES = [
     "dptrain.recipes.lm_finetune",
     "dptrain.recipes.exposure",
     "dptrain.recipes.audit_mia",
+    "dptrain.recipes.audit_properties",
 ]
 
 

@@ -22,6 +22,10 @@
     dptrain audit one-run   one-run audit (Steinke et al.; Mahloujifar et al.): white-box
                             self-test of the mechanism, or your canaries' scores (exit 1 if
                             a lower bound exceeds the claimed epsilon)
+    dptrain audit properties  property checks of a private run (noise independent and of
+                            std sigma C / (q N), batch sizes ~ Binomial(N, q), one record
+                            moves the clipped sum by <= C, ledger = steps): exit 0 nothing
+                            flagged, 1 flagged, 2 could not run
     dptrain audit mia       membership inference (LiRA, loss threshold) on shadow linear
                             probes of frozen MiniLM features: TPR at 0.1% / 1% FPR, ROC plot
                             (exit 1 if a TPR exceeds what the epsilon allows)
@@ -195,10 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(p)
 
     p = sub.add_parser(
-        "audit", help="measure what leaks: dptrain audit {exposure,one-run,mia} [key=value ...]"
+        "audit",
+        help="measure what leaks: dptrain audit {exposure,one-run,mia,properties} [key=value ...]",
     )
-    p.add_argument("audit", choices=["exposure", "one-run", "mia"])
-    p.add_argument("--json", action="store_true", help="one-run, mia: print results.json")
+    p.add_argument("audit", choices=["exposure", "one-run", "mia", "properties"])
+    p.add_argument(
+        "--json", action="store_true", help="one-run, mia, properties: print results.json"
+    )
     _add_config_arguments(p)
 
     p = sub.add_parser(
@@ -622,6 +629,8 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             print((Path(cfg.out) / "table.md").read_text())
             print(f"results: {cfg.out}/results.json")
         return 1 if results["flagged"] else 0
+    if args.command == "audit" and args.audit == "properties":
+        return _audit_properties(args)
     if args.command == "audit" and args.audit == "mia":
         from dptrain.recipes.audit_mia import load_mia_config, run_mia_audit
 
@@ -679,6 +688,33 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     print((out / "table.md").read_text())
     print(f"plot: {out / 'ndcg_vs_epsilon.png'}")
     print(f"runs: {out}/<model>/<epsilon>/seed<k>/ (results.json, metrics.jsonl, plots/*.png)")
+    return 0
+
+
+def _audit_properties(args: argparse.Namespace) -> int:
+    """``dptrain audit properties``: 0 nothing flagged, 1 flagged, 2 could not run (a crash
+    too, or a check that did not run: it proves nothing)."""
+    from dptrain.recipes.audit_properties import load_properties_config, run_properties_audit
+
+    cfg = load_properties_config(args.config, args.overrides)  # bad input: ValueError, exit 2
+    try:
+        report = run_properties_audit(cfg, progress=not args.json)
+    except Exception as err:  # a check that crashed did not pass: exit 2, not 1
+        print(
+            f"dptrain audit properties: could not run: {type(err).__name__}: {err}", file=sys.stderr
+        )
+        return 2
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(f"Setting: {report.setting}.\n\n{report.table()}")
+        print(f"results: {cfg.out}/results.json")
+    if report.flagged:
+        return 1
+    if not report.complete:
+        skipped = [c.name for c in report.checks if c.status == "not run"]
+        print(f"dptrain audit properties: checks that did not run: {skipped}", file=sys.stderr)
+        return 2
     return 0
 
 

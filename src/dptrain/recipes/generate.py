@@ -72,16 +72,23 @@ class GenerateConfig:
     """Render ``prompt`` as one user turn of the tokenizer's chat template (for a model
     trained on chat records)."""
     temperature: float = 1.0
+    """Sampling temperature (lower: more likely tokens)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens with this much probability."""
     top_k: int = 0
     """Keep only the k most likely tokens (0: all)."""
     max_new_tokens: int = 128
+    """Most tokens per generated record."""
     batch_size: int = 16
+    """Records generated at once."""
     seed: int = 0
+    """Seed of the sampling (generation is post-processing: it costs no privacy)."""
     device: str = "cpu"
+    """Where the model runs: ``cpu``, ``cuda`` or ``cuda:N``."""
     out: str = "runs/generate"
+    """Folder for synthetic.jsonl and report.json."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
     def __post_init__(self) -> None:
         if self.model is None:

@@ -159,6 +159,7 @@ class LMFinetuneConfig:
     valid_fraction: float = 0.1
     """Share of the records (of the users, with ``user_col``) held out for validation."""
     split_seed: int = 0
+    """Seed of the train/validation split."""
     # model
     model: str = SMOLLM2
     """``smollm2-135m-instruct`` (packaged) or a local Hugging Face causal-LM folder."""
@@ -167,6 +168,7 @@ class LMFinetuneConfig:
     lora_r: int = 8
     """LoRA rank; 0 fine-tunes every parameter instead."""
     lora_alpha: float = 16.0
+    """LoRA scaling alpha (the update is scaled by alpha / r)."""
     lora_targets: tuple[str, ...] = LLAMA_PROJECTIONS
     """Names of the linear modules that get adapters (Llama's seven projections by default)."""
     # privacy
@@ -179,12 +181,18 @@ class LMFinetuneConfig:
     noise_multiplier: float | None = None
     """Use this sigma instead of calibrating to epsilon (set epsilon=null)."""
     accountant: str = "pld"
+    """Accountant that calibrates sigma and reports epsilon: ``pld`` (tightest), ``rdp`` or ``gdp`` (approximate)."""
     max_grad_norm: float = 1.0
+    """C: the clipping norm of each unit's gradient."""
     clipping: str = "flat"
+    """Clipping function: ``flat`` (clip to C), ``automatic`` (normalize, Bu et al.) or ``per_layer``."""
     mode: str = "book_keeping"
+    """How per-example gradients are clipped: ``book_keeping`` (one backward pass) or ``ghost`` (two, less memory)."""
     # optimisation
     optimizer: str = "adamw"
+    """``adamw``, ``adam`` or ``sgd``."""
     lr: float = 2e-3
+    """Learning rate."""
     weight_decay: float = 0.0
     """On matrices and embeddings, not on biases and norm gains."""
     momentum: float = 0.0
@@ -194,6 +202,7 @@ class LMFinetuneConfig:
     warmup_steps: int = 0
     """Linear learning-rate warm-up; a growing batch grows over the same steps."""
     epochs: float = 1.0
+    """Passes over the training units at the final batch size (steps = floor(epochs N / B)); ignored when ``steps`` is set."""
     steps: int | None = None
     """Number of steps; when set it wins over ``epochs``."""
     batch_size: int = 64
@@ -202,22 +211,30 @@ class LMFinetuneConfig:
     batch_growth: float = 1.0
     """B grows from B / batch_growth to B over the warm-up; 1 keeps it fixed."""
     growth_stages: int = 4
+    """Number of equal steps in which a growing batch size grows from B / batch_growth to B."""
     batch_schedule: str | None = None
     """Explicit stages ``"BxS,BxS,..."`` (expected batch x steps) instead; needs ``steps``."""
     max_physical_batch_size: int = 8
+    """Most records per forward/backward chunk (memory); the logical batch and the guarantee are unchanged."""
     amp: str = "off"
     """``off`` (float32) or ``bf16``: training and validation forward passes under bfloat16
     autocast, float32 weights (dptrain.precision); norms and clipped sums in float32.
     Generation stays float32 (autocast re-casts every weight for each generated token)."""
     # evaluation and output
     eval_every: int = 20
+    """Validation perplexity every this many steps."""
     epsilon_every: int = 10
+    """Compute the epsilon spent every this many steps (logged and plotted)."""
     eval_batch_size: int = 8
+    """Records per batch when evaluating (no effect on training)."""
     max_eval_examples: int | None = 200
     """Validation records scored for perplexity (a seeded subset); null: all."""
     num_generations: int = 3
+    """Validation prompts answered greedily before and after training (generations.jsonl)."""
     max_new_tokens: int = 48
+    """Most tokens generated per validation prompt."""
     device: str = "cpu"
+    """Where the model runs: ``cpu``, ``cuda`` or ``cuda:N``."""
     num_threads: int = 0
     """torch threads for this run; 0 leaves torch's default."""
     seed: int | None = None
@@ -228,8 +245,11 @@ class LMFinetuneConfig:
     audit_canaries: int = 100_000
     """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/lm"
+    """Output folder of the run."""
     save_model: bool = True
+    """Save the model (or adapter) with privacy.json and a model card in <out>/model."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
     def __post_init__(self) -> None:
         if self.data is None or not str(self.data).strip():

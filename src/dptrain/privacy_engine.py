@@ -232,8 +232,8 @@ def make_private(
         ledger: continue an existing ledger (a resumed run).
         secure_mode: draw the noise and the Poisson sampling from the operating system's
             cryptographically secure generator (:mod:`dptrain.secure_random`; Opacus'
-            ``secure_mode``): no seed exists that predicts them. Slower noise (about 40x
-            torch's generator per coordinate on CPU) and not reproducible, so ``seed``
+            ``secure_mode``): no seed exists that predicts them. Slower noise (0.3-0.6 us
+            a coordinate on one CPU thread, 50-90x torch's) and not reproducible, so ``seed``
             must be None.
     """
     batch_size = _batch_size_of(data, batch_size)

@@ -152,6 +152,18 @@ class LMFinetuneConfig:
     """``auto`` (from the columns), ``prompt_completion``, ``text`` or ``chat``."""
     user_col: str | None = None
     """Column of user ids: user-level DP (all of a user's records are one unit)."""
+    prompt_col: str = "prompt"
+    """Column of the prompts (prompt/completion records), e.g. ``question``."""
+    completion_col: str = "completion"
+    """Column of the completions (prompt/completion records), e.g. ``answer``."""
+    text_col: str = "text"
+    """Column of the texts (text records)."""
+    messages_col: str = "messages"
+    """Column of the conversations (chat records)."""
+    system_prompt: str = "default"
+    """Chat records without a system message: ``default`` (the template's own; SmolLM2's
+    adds "You are a helpful AI assistant named SmolLM, trained by Hugging Face", 21
+    tokens), ``none`` (no system turn) or the text of the system prompt to use."""
     max_length: int = 256
     """Most tokens per record; longer prompts are cut from the left (see ``on_too_long``)."""
     on_too_long: str = "truncate"
@@ -259,6 +271,16 @@ class LMFinetuneConfig:
             )
         check_choice("format", self.format, _FORMATS)
         check_choice("on_too_long", self.on_too_long, ON_TOO_LONG)
+        for name in ("prompt_col", "completion_col", "text_col", "messages_col"):
+            if not str(getattr(self, name)).strip():
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not allowed: expected a column name"
+                )
+        if not self.system_prompt.strip():
+            raise ValueError(
+                f"system_prompt={self.system_prompt!r} is not allowed: expected 'default', "
+                "'none' or the text of a system prompt"
+            )
         check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
         check_choice("clipping", self.clipping, CLIPPING_FUNCTIONS)
         check_choice("mode", self.mode, CLIPPING_MODES)
@@ -377,7 +399,15 @@ def _read_and_split(cfg: LMFinetuneConfig):
             f"data={cfg.data!r} is not allowed: no such file; expected one of {list(LM_SUFFIXES)}"
         )
     fmt = None if cfg.format == "auto" else cfg.format
-    records = read_lm_records(path, record_format=fmt, user_col=cfg.user_col)
+    records = read_lm_records(
+        path,
+        record_format=fmt,
+        user_col=cfg.user_col,
+        prompt_col=cfg.prompt_col,
+        completion_col=cfg.completion_col,
+        text_col=cfg.text_col,
+        messages_col=cfg.messages_col,
+    )
     unit = "user" if cfg.user_col is not None else "record"
     units = len(set(records.users)) if records.users is not None else len(records)
     if units < 2:
@@ -531,7 +561,10 @@ def _setup(cfg: LMFinetuneConfig) -> _Setup:
     else:
         model.requires_grad_(True)  # every parameter, the tied embedding and norms included
     tokenize = functools.partial(
-        tokenize_lm_records, tokenizer=tokenizer, max_length=cfg.max_length
+        tokenize_lm_records,
+        tokenizer=tokenizer,
+        max_length=cfg.max_length,
+        system_prompt=cfg.system_prompt,
     )
     train = tokenize(train_records, on_too_long=cfg.on_too_long)
     # Validation records are scored as they are: cut, never dropped or refused.

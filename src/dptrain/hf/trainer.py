@@ -165,15 +165,18 @@ class _PrivacyCallback(TrainerCallback):
             # budget is what decides, and the line says so.
             self.reported = True
             control.should_training_stop = True
-            log.info(
-                "privacy budget spent: %d steps, epsilon %.4g at delta %g (%s, per %s); "
-                "training stops",
-                self.trainer.privacy.optimizer.steps_taken,
-                self.trainer.epsilon(),
-                plan.target_delta,
-                plan.accountant,
-                plan.privacy_unit,
+            line = (
+                f"privacy budget spent: {self.trainer.privacy.optimizer.steps_taken} steps, "
+                f"epsilon {self.trainer.epsilon():.4g} at delta {plan.target_delta:g} "
+                f"({plan.accountant}, per {plan.privacy_unit}); training stops"
             )
+            # A default run shows WARNING and above only (transformers' verbosity too), and
+            # this is the one line a user must see: printed then, as Trainer prints its
+            # metrics; logged instead where INFO reaches a handler (no line twice).
+            if log.isEnabledFor(logging.INFO):
+                log.info(line)
+            elif state.is_world_process_zero:
+                print(line, flush=True)
         return control
 
 

@@ -386,3 +386,13 @@ def test_config_takes_a_packaged_name_or_refuses_with_the_names(capsys, tmp_path
     assert code == 2 and out == ""
     assert "--config='lm_smollm3' is not allowed: no such file, and not a packaged config" in err
     assert "'lm'" in err and "'seqrec'" in err
+
+
+@pytest.mark.slow  # about 40 s: the demo calibrates 15 sigmas and a DP-FP run
+def test_accounting_demo_json_is_one_line_with_the_privacy_unit(capsys, tmp_path):
+    code, out, _ = run(capsys, "accounting-demo", "--json", "--out", str(tmp_path))
+    assert code == 0
+    (rec,) = json_lines(out)  # the tables are not printed
+    assert rec["privacy_unit"] == "example" and rec["delta"] == 1e-5
+    assert rec["neighbouring"] == "add_or_remove_one"
+    assert rec == json.loads((tmp_path / "accounting_demo.json").read_text())

@@ -31,8 +31,12 @@
     dptrain bench           dptrain vs non-private and Opacus: step time, memory, largest
                             batch, accountants (--quick: a smoke check; docs/bench.md)
 
-Human output is a small aligned table; ``--json`` prints JSON lines. Bad
-arguments print an error naming the argument to stderr and exit with code 2.
+Human output is a small aligned table; ``--json`` prints JSON lines (a recipe's
+results as one line), with the same keys for the same quantities (``epsilon``,
+``delta``, ``privacy_unit``, ...). ``--help`` of a recipe command lists its settings
+with type, default and meaning, generated from its config dataclass; ``--config``
+takes a YAML file or a packaged config's name (``--config lm``). Bad arguments print
+an error naming the argument to stderr and exit with code 2.
 """
 
 from __future__ import annotations

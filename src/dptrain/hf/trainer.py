@@ -488,12 +488,24 @@ class DPTrainer(Trainer):
             "privacy_unit": plan.privacy_unit,
         }
         if plan.world_size > 1:
+            if self.privacy_args.secure_mode:
+                # every rank draws the same batches from one shared seed, which is what
+                # secure mode does away with
+                raise PrivacyArgumentsError(
+                    f"secure_mode=True is not allowed with {plan.world_size} processes: the "
+                    "ranks agree on each batch through a shared seed; train in one process"
+                )
             private = make_private_distributed(
                 self.model, optimizer, self.train_dataset, user_ids=self._unit_ids, **common
             )
         else:
             private = make_private(
-                self.model, optimizer, self.train_dataset, user_ids=self._unit_ids, **common
+                self.model,
+                optimizer,
+                self.train_dataset,
+                user_ids=self._unit_ids,
+                secure_mode=self.privacy_args.secure_mode,
+                **common,
             )
         if plan.target_epsilon is not None:
             # The calibrated noise meets the target for exactly the planned steps.

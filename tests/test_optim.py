@@ -220,20 +220,26 @@ def _private_pair(model=None, seed=0):
 
 
 def test_a_plain_backward_before_the_step_is_refused():
-    from dptrain.clipping import UnsupportedModelError
+    from dptrain.clipping import UnclippedGradientError, UnsupportedModelError
 
     model, engine, opt = _private_pair()
     x = torch.randn(4, 3)
     opt.zero_grad()
     engine.backward(model(x).pow(2).sum(1))
     model(x).sum().backward()  # unclipped, straight into p.grad
-    with pytest.raises(UnsupportedModelError, match=r"^p\.grad of 0\.weight, 0\.bias, 2\.weight"):
+    with pytest.raises(
+        UnclippedGradientError, match=r"^p\.grad of 0\.weight, 0\.bias, 2\.weight"
+    ) as e:
         opt.step()
+    # the model is fine: the call is what to change, and the message says to what
+    assert not isinstance(e.value, UnsupportedModelError)
+    assert "Instead of loss.backward(), pass the per-example losses" in str(e.value)
+    assert "private.backward(losses)" in str(e.value)
     assert opt.steps_taken == 0 and len(opt.ledger) == 0
 
 
 def test_a_gradient_left_from_the_last_step_is_refused():
-    from dptrain.clipping import UnsupportedModelError
+    from dptrain.clipping import UnclippedGradientError
 
     model, engine, opt = _private_pair()
     x = torch.randn(4, 3)
@@ -241,7 +247,7 @@ def test_a_gradient_left_from_the_last_step_is_refused():
     engine.backward(model(x).pow(2).sum(1))
     opt.step()
     # no zero_grad(): p.grad still holds the last step's noised average
-    with pytest.raises(UnsupportedModelError, match=re.escape("Call optimizer.zero_grad()")):
+    with pytest.raises(UnclippedGradientError, match=re.escape("Call optimizer.zero_grad()")):
         engine.backward(model(x).pow(2).sum(1))
     opt.zero_grad()
     engine.backward(model(x).pow(2).sum(1))

@@ -86,6 +86,7 @@ MODULES = [
     "dptrain.models.reattention",
     "dptrain.models.text_classifier",
     "dptrain.optim",
+    "dptrain.secure_random",
     "dptrain.precision",
     "dptrain.privacy_engine",
     "dptrain.recipes",

@@ -13,6 +13,10 @@ the white-box canaries that produce such scores during a private run.
 Carlini et al. 2022) with shadow models and the loss-threshold baseline, and their ROC
 metrics (TPR at low FPR, AUC); the recipe :mod:`dptrain.recipes.audit_mia` trains the
 shadow probes (``dptrain audit mia``).
+
+:mod:`dptrain.audit.properties`: property checks of a private run (noise independent across
+steps and of std sigma C / (q N), batch sizes ~ Binomial(N, q), one record moves the clipped
+sum by at most C, ledger steps = optimizer steps): ``dptrain audit properties``.
 """
 
 from dptrain.audit.exposure import (
@@ -60,6 +64,7 @@ from dptrain.audit.one_run import (
     one_run_p_value,
     pure_epsilon_all_correct,
 )
+from dptrain.audit.properties import PropertyCheck, PropertyReport, check_properties
 
 __all__ = [
     "DEFAULT_FPRS",
@@ -71,11 +76,14 @@ __all__ = [
     "CanarySet",
     "GradientCanaries",
     "OneRunAudit",
+    "PropertyCheck",
+    "PropertyReport",
     "SkewNormalFit",
     "attack_metrics",
     "balanced_accuracy",
     "candidate_words",
     "check_encodable",
+    "check_properties",
     "count_correct",
     "default_guess_candidates",
     "dp_tpr_bound",

@@ -64,7 +64,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from dptrain._checks import check_positive
 from dptrain.clipping import independence, self_check, shared_table
 from dptrain.clipping.decisions import RowDecisions
-from dptrain.clipping.errors import UnsupportedModelError
+from dptrain.clipping.errors import UnclippedGradientError, UnsupportedModelError
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
 from dptrain.clipping.grad_store import LOW_PRECISION, GradStore
 from dptrain.clipping.graph_check import grad_node, interior, parameter_uses
@@ -92,7 +92,14 @@ from dptrain.clipping.streaming import Streaming
 from dptrain.clipping.sums import NormsAndSums
 from dptrain.clipping.units import UnitIndex, unit_index
 
-__all__ = ["CLIPPING_MODES", "NORM_METHODS", "ClipStats", "ClippingEngine", "UnsupportedModelError"]
+__all__ = [
+    "CLIPPING_MODES",
+    "NORM_METHODS",
+    "ClipStats",
+    "ClippingEngine",
+    "UnclippedGradientError",
+    "UnsupportedModelError",
+]
 
 #: How the clipped sum is formed: one backward (book-keeping) or two (ghost).
 CLIPPING_MODES = ("book_keeping", "ghost")
@@ -802,11 +809,15 @@ class ClippingEngine:
             if (p := self.parameter(name)).grad is not None and not self._store.wrote(p)
         ]
         if touched:
-            raise UnsupportedModelError(
+            raise UnclippedGradientError(
                 f"p.grad of {', '.join(touched)} holds a gradient the clipping engine did not "
                 "write (a loss.backward() outside the engine, or a gradient left from the last "
-                "step): it would reach the optimizer unclipped. Call optimizer.zero_grad() before "
-                "each logical batch and pass every loss through the engine."
+                "step): it would reach the optimizer unclipped. Instead of loss.backward(), pass "
+                "the per-example losses (reduction='none', one per record) to "
+                "private.backward(losses) (ClippingEngine.backward), e.g. "
+                "private.backward(F.cross_entropy(model(x), y, reduction='none')). Call "
+                "optimizer.zero_grad() before each logical batch and pass every loss through "
+                "the engine."
             )
 
     def check_gradients(self, params: list[nn.Parameter] | None = None) -> None:

@@ -72,7 +72,9 @@ class OneRunAuditConfig:
     noise_multiplier: float = 0.0
     """sigma given directly instead of ``epsilon`` (0: calibrate to ``epsilon``)."""
     delta: float = 1e-5
+    """delta of the run and of the lower bounds."""
     steps: int = 10
+    """Training steps of the audited run."""
     width: int = 0
     """Input width d (0: 1000 white-box, where the classifier is d x d; 512 black-box)."""
     classes: int = 1024
@@ -82,18 +84,23 @@ class OneRunAuditConfig:
     canaries: int = 0
     """m; 0: one per weight (width^2) white-box, 10,000 black-box."""
     examples: int = 64
+    """Non-canary training examples."""
     batch_size: str = "full"
     """``full`` (q = 1) or the expected batch size (Poisson sampling)."""
     canary_norm: float = 0.0
     """Canary gradient norm before clipping; 0: exactly C (= 1)."""
     confidence: float = 0.95
+    """Confidence of the epsilon lower bounds."""
     accountant: str = "pld"
+    """Accountant that calibrates sigma and reports epsilon: ``pld`` (tightest), ``rdp`` or ``gdp`` (approximate)."""
     seed: int = 0
+    """Fixes the canaries, sampling and noise."""
     scores: str = ""
     """A CSV/JSONL file of your own canaries (columns score, included): no training."""
     claimed_epsilon: float = 0.0
     """With ``scores``: the epsilon your run claims (compared with the lower bounds)."""
     out: str = "runs/audit-one-run"
+    """Output folder of the run."""
 
 
 def load_one_run_config(

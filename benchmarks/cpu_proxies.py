@@ -6,8 +6,14 @@ the non-private step and dptrain's book-keeping step (forward, per-example loss,
 backward; no optimizer) it reports, each against the non-private step:
 
 - the share of matrix-product FLOPs (mm, addmm, bmm, baddbmm, linear) whose operands
-  are float32: on a GPU those run on CUDA cores, not tensor cores;
-- aten operations dispatched per step (launches, on a GPU);
+  are float32: on a GPU those run on CUDA cores, not tensor cores. Two figures: as run
+  here, and as the same step runs on CUDA, where the engine's products of bf16 records
+  are bf16 GEMMs with float32 output (``torch.mm(..., out_dtype=torch.float32)``, which
+  CPU builds lack: here the same products run in float32 on upcast operands;
+  :mod:`dptrain.clipping.tensor_cores` counts them, and the second GEMM a clipped sum
+  takes on CUDA is added to the GEMM FLOPs);
+- aten operations dispatched per step here, and as on CUDA (without the upcasts the
+  CPU needs, with the ops of split clipped sums);
 - matrix-product FLOPs per step;
 - peak resident memory of a fresh process running 2 steps (the first, with the
   engine's full check, included).
@@ -107,18 +113,32 @@ def _stepper(method: str, lora: bool, b: int, t: int):
 
 
 def _counts(method: str, lora: bool, b: int, t: int) -> dict:
+    from dptrain.clipping.tensor_cores import flops_emulated, ops_emulated
+
     step = _stepper(method, lora, b, t)
     out = {}
     for label in ("first", "warm", "steady"):
         counter = _Count()
-        with counter:
-            step()
+        flops_emulated(reset=True, on=True)
+        try:
+            with counter:
+                step()
+            ops_delta = ops_emulated()
+            emulated, extra = flops_emulated(reset=True, on=False)
+        finally:
+            flops_emulated(reset=True, on=False)
         if label != "warm":
             total = sum(counter.flops.values())
+            f32 = counter.flops[torch.float32]
+            # as on CUDA: the emulated products (one float32 GEMM here for each split
+            # clipped sum, two bf16 ones there) are bf16
+            on_cuda = total + extra
             out[label] = {
                 "ops": counter.ops,
-                "gemm_flops": total,
-                "float32_share": counter.flops[torch.float32] / total if total else 0.0,
+                "ops_cuda": counter.ops + ops_delta,
+                "gemm_flops": on_cuda,
+                "float32_share": f32 / total if total else 0.0,
+                "float32_share_cuda": (f32 + extra - emulated) / on_cuda if on_cuda else 0.0,
             }
     return out
 
@@ -149,8 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(2)
     print(f"tied Llama (h 256, 4 layers, vocab 8192), B {args.b}, T {args.t}, bf16 autocast")
     print(
-        "| workload | method | float32 share of GEMM FLOPs (steady / first) "
-        "| aten ops x (steady / first) | GEMM FLOPs x (steady / first) | peak x (increment x) |"
+        "| workload | method | float32 share of GEMM FLOPs, here / on CUDA (steady) "
+        "| aten ops x (steady here / steady on CUDA / first) | GEMM FLOPs x, as on CUDA "
+        "(steady / first) | peak x (increment x) |"
     )
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for lora in (False, True):
@@ -176,9 +197,10 @@ def main(argv: list[str] | None = None) -> None:
             rows[method]["mem"] = json.loads(child.stdout.strip().splitlines()[-1])
         base = rows["nonprivate"]
         for method, r in rows.items():
-            share = f"{r['steady']['float32_share']:.1%} / {r['first']['float32_share']:.1%}"
-            ops = "{:.2f} / {:.2f}".format(
+            share = f"{r['steady']['float32_share']:.1%} / {r['steady']['float32_share_cuda']:.1%}"
+            ops = "{:.2f} / {:.2f} / {:.2f}".format(
                 r["steady"]["ops"] / base["steady"]["ops"],
+                r["steady"]["ops_cuda"] / base["steady"]["ops"],
                 r["first"]["ops"] / base["steady"]["ops"],
             )
             flops = "{:.2f} / {:.2f}".format(

@@ -141,6 +141,19 @@ def test_calibrate_json(capsys):
     assert rec["epsilon_pld"] > rec["epsilon"]
 
 
+def test_calibrate_json_has_the_privacy_unit_of_epsilon_json(capsys):
+    common = ["--delta", "1e-5", "--sample-rate", "0.01", "--steps", "100", "--accountant", "pld"]
+    _, out, _ = run(capsys, "calibrate", "--epsilon", "2", *common, "--json")
+    (cal,) = json_lines(out)
+    sigma = str(cal["noise_multiplier"])
+    _, out, _ = run(capsys, "epsilon", "--noise-multiplier", sigma, *common, "--json")
+    (eps,) = json_lines(out)
+    for key in ("privacy_unit", "neighbouring", "delta", "noise_multiplier", "sample_rate"):
+        assert cal[key] == eps[key], key
+    assert cal["privacy_unit"] == "example"
+    assert eps["epsilon"] == pytest.approx(cal["epsilon"])
+
+
 def test_calibrate_dpfp_reproduces_the_paper_route(capsys):
     code, out, _ = run(
         capsys,
@@ -360,3 +373,77 @@ def test_train_with_audit_exits_2_when_it_crashes(tmp_path, capsys, monkeypatch)
     argv = _seqrec_argv(tmp_path, "epochs=1", "batch_size=16", "audit_canaries=1000")
     assert main(argv) == 2
     assert "could not run (RuntimeError: disk full)" in capsys.readouterr().err
+
+
+#: Every command configured by a dataclass, and that dataclass.
+_SETTINGS_COMMANDS = [
+    (["train", "seqrec"], "dptrain.recipes.seqrec", "SeqRecTrainConfig"),
+    (["train", "classify"], "dptrain.recipes.classify", "ClassifyTrainConfig"),
+    (["train", "table2text"], "dptrain.recipes.table2text", "Table2TextConfig"),
+    (["train", "mlm"], "dptrain.recipes.mlm", "MLMTrainConfig"),
+    (["train", "lm"], "dptrain.recipes.lm_finetune", "LMFinetuneConfig"),
+    (["generate"], "dptrain.recipes.generate", "GenerateConfig"),
+    (["audit", "mia"], "dptrain.recipes.audit_mia", "MIAAuditConfig"),
+    (["audit", "one-run"], "dptrain.recipes.audit_one_run", "OneRunAuditConfig"),
+    (["audit", "exposure"], "dptrain.recipes.exposure", "ExposureAuditConfig"),
+    (["demo"], "dptrain.recipes.demo", "DemoConfig"),
+    (["experiment", "dpformer"], "dptrain.recipes.dpformer_experiment", "DPFormerExperimentConfig"),
+    (["experiment", "dpfp"], "dptrain.recipes.dpfp_experiment", "DPFPExperimentConfig"),
+    (["study", "snr"], "dptrain.recipes.mlm_studies", "MLMStudyConfig"),
+    (["study", "e2e-heatmap"], "dptrain.recipes.table2text_study", "Table2TextStudyConfig"),
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "name"), _SETTINGS_COMMANDS, ids=lambda c: " ".join(c)
+)
+def test_help_lists_every_setting_with_type_default_and_meaning(capsys, command, module, name):
+    import dataclasses
+    import importlib
+
+    from dptrain.config import field_help
+
+    cls = getattr(importlib.import_module(module), name)
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    meaning = field_help(cls)
+    for f in dataclasses.fields(cls):
+        if f.init:
+            assert f"\n  {f.name}: {f.type} = " in text, f.name
+            first_words = " ".join(meaning[f.name].replace("``", "").split()[:3])
+            assert first_words in " ".join(text.split()), f.name
+    assert "(undocumented)" not in text
+
+
+def test_train_lm_help_shows_a_default_and_its_meaning(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "lm", "-h"])
+    text = capsys.readouterr().out
+    assert "  lora_r: int = 8\n      LoRA rank; 0 fine-tunes every parameter instead." in text
+    assert "  epsilon: float | None = 8.0\n" in text
+
+
+def test_config_takes_a_packaged_name_or_refuses_with_the_names(capsys, tmp_path):
+    missing = tmp_path / "records.jsonl"
+    # the packaged lm config is read (by name, with or without .yaml): the run gets as far as
+    # the data it names, which does not exist
+    for name in ("lm", "lm.yaml"):
+        code, out, err = run(capsys, "train", "lm", "--config", name, f"data={missing}")
+        assert code == 2 and out == ""
+        assert "--config" not in err and "records.jsonl" in err
+    code, out, err = run(capsys, "train", "lm", "--config", "lm_smollm3", f"data={missing}")
+    assert code == 2 and out == ""
+    assert "--config='lm_smollm3' is not allowed: no such file, and not a packaged config" in err
+    assert "'lm'" in err and "'seqrec'" in err
+
+
+@pytest.mark.slow  # about 40 s: the demo calibrates 15 sigmas and a DP-FP run
+def test_accounting_demo_json_is_one_line_with_the_privacy_unit(capsys, tmp_path):
+    code, out, _ = run(capsys, "accounting-demo", "--json", "--out", str(tmp_path))
+    assert code == 0
+    (rec,) = json_lines(out)  # the tables are not printed
+    assert rec["privacy_unit"] == "example" and rec["delta"] == 1e-5
+    assert rec["neighbouring"] == "add_or_remove_one"
+    assert rec == json.loads((tmp_path / "accounting_demo.json").read_text())

@@ -155,3 +155,58 @@ def test_yaml_words_off_and_on_stay_words_for_string_fields(tmp_path):
     path.write_text("model: off\n")  # unquoted in a file: named, with the fix
     with pytest.raises(ConfigError, match=r"model=False is not allowed: .*quote the word"):
         load_config(_Config, path)
+
+
+def test_field_help_reads_attribute_docstrings_and_metadata():
+    import dataclasses
+
+    from dptrain.config import field_help, format_config_help
+
+    @dataclass
+    class Documented:
+        lr: float = 1e-3
+        """Learning rate
+        of the optimizer."""
+        seed: int = dataclasses.field(default=0, metadata={"help": "Fixes the noise."})
+        quiet: bool = False
+
+    assert field_help(Documented) == {
+        "lr": "Learning rate of the optimizer.",
+        "seed": "Fixes the noise.",
+    }
+    text = format_config_help(Documented)
+    assert "  lr: float = 0.001\n      Learning rate of the optimizer." in text
+    assert "  quiet: bool = false\n      (undocumented)" in text
+
+
+def _recipe_configs():
+    import importlib
+
+    names = {
+        "seqrec": "SeqRecTrainConfig",
+        "classify": "ClassifyTrainConfig",
+        "table2text": "Table2TextConfig",
+        "mlm": "MLMTrainConfig",
+        "lm_finetune": "LMFinetuneConfig",
+        "generate": "GenerateConfig",
+        "audit_mia": "MIAAuditConfig",
+        "audit_one_run": "OneRunAuditConfig",
+        "exposure": "ExposureAuditConfig",
+        "demo": "DemoConfig",
+        "dpformer_experiment": "DPFormerExperimentConfig",
+        "dpfp_experiment": "DPFPExperimentConfig",
+        "mlm_studies": "MLMStudyConfig",
+        "table2text_study": "Table2TextStudyConfig",
+    }
+    return [getattr(importlib.import_module(f"dptrain.recipes.{m}"), c) for m, c in names.items()]
+
+
+@pytest.mark.parametrize("cls", _recipe_configs(), ids=lambda c: c.__name__)
+def test_every_field_of_every_recipe_config_has_a_help_line(cls):
+    import dataclasses
+
+    from dptrain.config import field_help
+
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    undocumented = sorted(set(fields) - set(field_help(cls)))
+    assert not undocumented, f"{cls.__name__}: no docstring or metadata help for {undocumented}"

@@ -220,20 +220,26 @@ def _private_pair(model=None, seed=0):
 
 
 def test_a_plain_backward_before_the_step_is_refused():
-    from dptrain.clipping import UnsupportedModelError
+    from dptrain.clipping import UnclippedGradientError, UnsupportedModelError
 
     model, engine, opt = _private_pair()
     x = torch.randn(4, 3)
     opt.zero_grad()
     engine.backward(model(x).pow(2).sum(1))
     model(x).sum().backward()  # unclipped, straight into p.grad
-    with pytest.raises(UnsupportedModelError, match=r"^p\.grad of 0\.weight, 0\.bias, 2\.weight"):
+    with pytest.raises(
+        UnclippedGradientError, match=r"^p\.grad of 0\.weight, 0\.bias, 2\.weight"
+    ) as e:
         opt.step()
+    # the model is fine: the call is what to change, and the message says to what
+    assert not isinstance(e.value, UnsupportedModelError)
+    assert "Instead of loss.backward(), pass the per-example losses" in str(e.value)
+    assert "private.backward(losses)" in str(e.value)
     assert opt.steps_taken == 0 and len(opt.ledger) == 0
 
 
 def test_a_gradient_left_from_the_last_step_is_refused():
-    from dptrain.clipping import UnsupportedModelError
+    from dptrain.clipping import UnclippedGradientError
 
     model, engine, opt = _private_pair()
     x = torch.randn(4, 3)
@@ -241,7 +247,7 @@ def test_a_gradient_left_from_the_last_step_is_refused():
     engine.backward(model(x).pow(2).sum(1))
     opt.step()
     # no zero_grad(): p.grad still holds the last step's noised average
-    with pytest.raises(UnsupportedModelError, match=re.escape("Call optimizer.zero_grad()")):
+    with pytest.raises(UnclippedGradientError, match=re.escape("Call optimizer.zero_grad()")):
         engine.backward(model(x).pow(2).sum(1))
     opt.zero_grad()
     engine.backward(model(x).pow(2).sum(1))
@@ -266,3 +272,67 @@ def test_a_parameter_made_trainable_after_the_engine_is_refused():
         ),
     ):
         opt.step()
+
+
+def _state_after_two_steps_and_third_weight(seed: int = 5):
+    """A DPOptimizer (SGD: no per-parameter state) saved after 2 steps, and the weight
+    its 3rd step gives."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = make(model, seed=seed)
+    for _ in range(2):
+        opt.zero_grad()
+        opt.step()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = copy.deepcopy(opt.state_dict())
+    opt.zero_grad()
+    opt.step()
+    return start, saved, model.weight.detach().clone()
+
+
+def test_state_moved_to_cuda_by_accelerate_resumes_the_noise(monkeypatch):
+    """accelerate's move_to_device sends every tensor of the state to the GPU, the noise
+    generators' ByteTensors too (DPTrainer crashed on CUDA before its first step)."""
+    pytest.importorskip("accelerate")
+    from accelerate.optimizer import move_to_device
+
+    from tests.fake_device import FakeCudaTensor, to_fake_cuda
+
+    start, saved, third = _state_after_two_steps_and_third_weight()
+    with monkeypatch.context() as m:
+        to_fake_cuda(m)
+        moved = move_to_device(saved, "cuda")
+    assert all(isinstance(s, FakeCudaTensor) for s in moved["generators"].values())
+    model = nn.Linear(4, 3)
+    model.load_state_dict(start)
+    opt = make(model, seed=None)
+    opt.load_state_dict(moved)
+    opt.zero_grad()
+    opt.step()
+    assert torch.equal(model.weight, third)
+    assert opt.seed == 5
+
+
+def test_accelerated_optimizer_round_trip_keeps_the_noise():
+    """AcceleratedOptimizer (device placement on) reloads the state at wrap time and
+    delegates state_dict/load_state_dict: the noise stream continues."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)  # the state AcceleratedOptimizer reads its device from
+    start, saved, third = _state_after_two_steps_and_third_weight()
+    model = nn.Linear(4, 3)
+    model.load_state_dict(start)
+    opt = AcceleratedOptimizer(make(model, seed=None), device_placement=True)
+    opt.load_state_dict(saved)
+    opt.zero_grad()
+    opt.step()
+    assert torch.equal(model.weight, third)
+
+
+def test_generator_keys_name_the_device_index():
+    """The key is the parameter's device (cuda:0), never a bare cuda that a second,
+    freshly seeded generator would answer to."""
+    opt = make(nn.Linear(2, 2))
+    assert list(opt.state_dict()["generators"]) == ["cpu"]

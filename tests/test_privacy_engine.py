@@ -175,3 +175,93 @@ def test_chunk_key_orders_the_chunks():
     for batch in private.data_loader:
         keys = torch.cat([x[:, 0] for x, _ in batch.chunks]).tolist()
         assert len(keys) > 8 and keys == sorted(keys)
+
+
+# -- Opacus habits -------------------------------------------------------------------------
+
+
+def test_a_dataloaders_batch_size_is_the_expected_batch_size():
+    model, opt, data = setup()
+    loader = torch.utils.data.DataLoader(data, batch_size=20, shuffle=True)
+    private = make_private(model, opt, loader, max_grad_norm=1.0, epochs=1, noise_multiplier=1.0)
+    assert private.ledger.num_steps == 0 and private.steps == 10  # q = 20 / 200
+    train(private, model)
+    assert [s.sample_rate for s in private.ledger.segments] == [pytest.approx(0.1)]
+    # the same value twice is fine; DataLoader's default batch_size=1 means "not given"
+    for given in (20, torch.utils.data.DataLoader(data)):
+        model, opt, data = setup()
+        loader = given if isinstance(given, torch.utils.data.DataLoader) else loader
+        private = make_private(
+            model, opt, loader, batch_size=20, max_grad_norm=1.0, steps=2, noise_multiplier=1.0
+        )
+        assert private.data_loader.loader.expected_batch_size(0) == pytest.approx(20)
+
+
+def test_batch_size_missing_or_conflicting_is_refused():
+    model, opt, data = setup()
+    with pytest.raises(ValueError, match=r"^batch_size=None: give batch_size="):
+        make_private(model, opt, data, max_grad_norm=1.0, epochs=1, noise_multiplier=1.0)
+    loader = torch.utils.data.DataLoader(data, batch_size=100)
+    with pytest.raises(
+        ValueError, match=r"^batch_size=20 and the DataLoader's batch_size=100 differ"
+    ):
+        make_private(
+            model, opt, loader, batch_size=20, max_grad_norm=1.0, epochs=1, noise_multiplier=1.0
+        )
+
+
+def test_unpacking_a_logical_batch_says_to_iterate_its_chunks():
+    model, opt, data = setup()
+    loader = torch.utils.data.DataLoader(data, batch_size=20)
+    private = make_private(model, opt, loader, max_grad_norm=1.0, steps=2, noise_multiplier=1.0)
+    with pytest.raises(TypeError, match=re.escape("iterate its physical chunks")):
+        for x, y in private.data_loader:  # noqa: B007 (the Opacus loop, refused)
+            pass
+    # the refusal took one batch from the sampler, as any iteration does; no step was taken
+    assert private.optimizer.steps_taken == 0 and private.ledger.num_steps == 0
+
+
+def test_secure_mode_draws_noise_and_sampling_from_os_urandom(monkeypatch):
+    import os
+
+    import dptrain.secure_random as secure_random
+
+    drawn = []
+    real_urandom = os.urandom
+
+    def counting_urandom(n):
+        drawn.append(n)
+        return real_urandom(n)
+
+    model, opt, data = setup()
+    n_params = sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match=r"^secure_mode=True with seed=3: .*drop the seed"):
+        make_private(
+            model,
+            opt,
+            data,
+            batch_size=20,
+            max_grad_norm=1.0,
+            steps=1,
+            noise_multiplier=1.0,
+            secure_mode=True,
+            seed=3,
+        )
+    private = make_private(
+        model,
+        opt,
+        data,
+        batch_size=20,
+        max_grad_norm=1.0,
+        steps=2,
+        noise_multiplier=1.0,
+        secure_mode=True,
+    )
+    assert private.optimizer.seed is None  # no seed exists that predicts the noise
+    monkeypatch.setattr(secure_random.os, "urandom", counting_urandom)
+    # torch's global and default generators play no part: fixing them changes nothing
+    torch.manual_seed(0)
+    train(private, model)
+    assert private.ledger.num_steps == 2
+    # per step: 8 bytes per record for the sampling, 32 per parameter for the noise
+    assert sum(drawn) >= 2 * (8 * len(data) + 32 * n_params)

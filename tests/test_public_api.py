@@ -20,6 +20,7 @@ MODULES = [
     "dptrain.audit.exposure",
     "dptrain.audit.one_run",
     "dptrain.audit.lira",
+    "dptrain.audit.properties",
     "dptrain.bench",
     "dptrain.bench.accountants",
     "dptrain.bench.memory",
@@ -61,6 +62,8 @@ MODULES = [
     "dptrain.distributed.sampling",
     "dptrain.distributed.setup",
     "dptrain.dpfp",
+    "dptrain.generators",
+    "dptrain.supported",
     "dptrain.hf",
     "dptrain.hf.arguments",
     "dptrain.hf.checkpoint",
@@ -83,6 +86,7 @@ MODULES = [
     "dptrain.models.reattention",
     "dptrain.models.text_classifier",
     "dptrain.optim",
+    "dptrain.secure_random",
     "dptrain.precision",
     "dptrain.privacy_engine",
     "dptrain.recipes",
@@ -97,6 +101,7 @@ MODULES = [
     "dptrain.recipes.lm_finetune",
     "dptrain.recipes.exposure",
     "dptrain.recipes.audit_mia",
+    "dptrain.recipes.audit_properties",
 ]
 
 

@@ -15,7 +15,13 @@ from dptrain.accounting import (
     calibrate_noise_multiplier,
     make_accountant,
 )
-from dptrain.clipping import ClippingEngine, ClipStats, UnsupportedModelError, register_rule
+from dptrain.clipping import (
+    ClippingEngine,
+    ClipStats,
+    UnclippedGradientError,
+    UnsupportedModelError,
+    register_rule,
+)
 from dptrain.data import DPDataLoader, PoissonBatchSampler
 from dptrain.losses import per_example_cross_entropy, per_example_losses
 from dptrain.optim import DPOptimizer, PrivacyBudgetExhaustedError, noisy_clipped_gradient
@@ -35,6 +41,7 @@ __all__ = [
     "PrivacyLedger",
     "PrivateTraining",
     "RDPAccountant",
+    "UnclippedGradientError",
     "UnsupportedModelError",
     "__version__",
     "calibrate_dpfp",

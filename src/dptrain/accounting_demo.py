@@ -44,12 +44,24 @@ DELTA = 1e-5
 N_TRAIN, BATCH, SIGMA = 60_000, 256, 1.1
 
 
-def run_demo(out_dir: str | Path = "runs/demo") -> dict[str, object]:
-    """Print the demo tables, save the plot and JSON under ``out_dir``; return the figures."""
+def _quiet(*_: object, **__: object) -> None:
+    """``print`` when the tables are not wanted (``--json``)."""
+
+
+def run_demo(out_dir: str | Path = "runs/demo", *, show: bool = True) -> dict[str, object]:
+    """Print the demo tables (``show``), save the plot and JSON under ``out_dir``; return
+    the figures (with the privacy unit and delta every figure is for)."""
+    say = print if show else _quiet
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     q = sample_rate_from_batch(BATCH, N_TRAIN)
-    report: dict[str, object] = {}
+    unit = PrivacyLedger()
+    # the keys `dptrain epsilon --json` uses for the same quantities
+    report: dict[str, object] = {
+        "delta": DELTA,
+        "privacy_unit": unit.privacy_unit,
+        "neighbouring": unit.neighbouring,
+    }
 
     # 1. epsilon vs epochs at a fixed sigma.
     epochs = [1, 2, 5, 10, 20, 30, 50]
@@ -59,8 +71,8 @@ def run_demo(out_dir: str | Path = "runs/demo") -> dict[str, object]:
         ledger = PrivacyLedger.from_schedule([(q, steps)], SIGMA)
         for name in ACCOUNTANTS:
             curve[name].append(make_accountant(name, ledger).epsilon(DELTA))
-    print(f"\n1. DP-SGD, q = {BATCH}/{N_TRAIN}, sigma = {SIGMA}, delta = {DELTA:g}")
-    print(
+    say(f"\n1. DP-SGD, q = {BATCH}/{N_TRAIN}, sigma = {SIGMA}, delta = {DELTA:g}")
+    say(
         format_table(
             ["epochs", "pld", "rdp", "gdp (approx.)"],
             [[e, *(curve[n][i] for n in ACCOUNTANTS)] for i, e in enumerate(epochs)],
@@ -79,8 +91,8 @@ def run_demo(out_dir: str | Path = "runs/demo") -> dict[str, object]:
                     t, DELTA, sample_rate=q, steps=steps30, accountant=name
                 ).noise_multiplier
             )
-    print(f"\n   sigma for a target epsilon, 30 epochs ({steps30} steps)")
-    print(
+    say(f"\n   sigma for a target epsilon, 30 epochs ({steps30} steps)")
+    say(
         format_table(
             ["target eps", "pld", "rdp", "gdp (approx.)", "pld eps of gdp sigma"],
             [
@@ -118,15 +130,15 @@ def run_demo(out_dir: str | Path = "runs/demo") -> dict[str, object]:
                 cal.epsilons["rdp"],
             ]
         )
-    print(f"\n2. DP-FP, SST-2 (N={n_sst2}, B={b}, M={m}, 3 epochs, delta=1/(2N)), target 1.73")
-    print(format_table(["calibrated by", "sigma/C", "gdp eps", "pld eps", "rdp eps"], rows))
+    say(f"\n2. DP-FP, SST-2 (N={n_sst2}, B={b}, M={m}, 3 epochs, delta=1/(2N)), target 1.73")
+    say(format_table(["calibrated by", "sigma/C", "gdp eps", "pld eps", "rdp eps"], rows))
     report["dpfp_sst2"] = rows
 
     # 3. Growing batch size: 4 stages quadrupling the batch, one sigma.
     schedule = [(q * k, 500) for k in (1, 2, 4, 8)]
     cal = calibrate_noise(3.0, DELTA, schedule=schedule)
-    print("\n3. Growing batch (q x1, x2, x4, x8; 500 steps each), target epsilon 3")
-    print(f"   sigma = {cal.noise_multiplier:.4f} (PLD epsilon {cal.epsilon:.4f})")
+    say("\n3. Growing batch (q x1, x2, x4, x8; 500 steps each), target epsilon 3")
+    say(f"   sigma = {cal.noise_multiplier:.4f} (PLD epsilon {cal.epsilon:.4f})")
     report["growing_batch_sigma"] = cal.noise_multiplier
 
     # 4. Hyperparameter search: 10 trials of the 30-epoch run at epsilon 3.
@@ -136,8 +148,8 @@ def run_demo(out_dir: str | Path = "runs/demo") -> dict[str, object]:
         repeat_and_select(trial, 10, DELTA, "poisson"),
         repeat_and_select(trial, 10, DELTA, "logarithmic"),
     ]
-    print("\n4. Search over 10 settings, each trial epsilon 3 (PLD)")
-    print(
+    say("\n4. Search over 10 settings, each trial epsilon 3 (PLD)")
+    say(
         format_table(
             ["method", "epsilon", "delta"], [[c.method, c.epsilon, c.delta] for c in costs]
         )
@@ -146,7 +158,7 @@ def run_demo(out_dir: str | Path = "runs/demo") -> dict[str, object]:
 
     _plot(out / "accounting_demo.png", epochs, curve, targets, sigmas, rows[0])
     (out / "accounting_demo.json").write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {out / 'accounting_demo.png'} and {out / 'accounting_demo.json'}")
+    say(f"\nwrote {out / 'accounting_demo.png'} and {out / 'accounting_demo.json'}")
     return report
 
 

@@ -23,6 +23,10 @@
                             black-box self-test of the mechanism, or your canaries' scores
                             (exit 0 nothing flagged, 1 a lower bound exceeds the claimed
                             epsilon, 2 could not run or no claim to test)
+    dptrain audit properties  property checks of a private run (noise independent and of
+                            std sigma C / (q N), batch sizes ~ Binomial(N, q), one record
+                            moves the clipped sum by <= C, ledger = steps): exit 0 nothing
+                            flagged, 1 flagged, 2 could not run
     dptrain audit mia       membership inference (LiRA, loss threshold) on shadow linear
                             probes of frozen MiniLM features: TPR at 0.1% / 1% FPR, ROC plot
                             (exit 1 if a TPR exceeds what the epsilon allows)
@@ -32,8 +36,12 @@
     dptrain bench           dptrain vs non-private and Opacus: step time, memory, largest
                             batch, accountants (--quick: a smoke check; docs/bench.md)
 
-Human output is a small aligned table; ``--json`` prints JSON lines. Bad
-arguments print an error naming the argument to stderr and exit with code 2.
+Human output is a small aligned table; ``--json`` prints JSON lines (a recipe's
+results as one line), with the same keys for the same quantities (``epsilon``,
+``delta``, ``privacy_unit``, ...). ``--help`` of a recipe command lists its settings
+with type, default and meaning, generated from its config dataclass; ``--config``
+takes a YAML file or a packaged config's name (``--config lm``). Bad arguments print
+an error naming the argument to stderr and exit with code 2.
 """
 
 from __future__ import annotations
@@ -95,8 +103,10 @@ def _add_rate_arguments(p: argparse.ArgumentParser, *, schedule: bool) -> None:
     s.add_argument("--epochs", type=float, help="epochs E: T = floor(E / q)")
 
 
-def _add_json(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+def _add_json(
+    p: argparse.ArgumentParser, help: str = "print JSON lines instead of a table"
+) -> None:
+    p.add_argument("--json", action="store_true", help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,65 +168,76 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("accounting-demo", help="the accounting demo: tables and a plot")
     p.add_argument("--out", default="runs/accounting-demo", help="folder for the plot and JSON")
+    _add_json(p)
 
     p = sub.add_parser(
         "train",
         help="train with a recipe: dptrain train {seqrec,classify,table2text,mlm,lm} [key=value ...]",
+        description="Train with a recipe. `dptrain train RECIPE --help` lists its settings.",
     )
-    p.add_argument("recipe", choices=list(_TRAIN_RECIPES))
-    p.add_argument(
-        "--method",
-        help="classify only: nonprivate, nonprivate-head, dpsgd, dpsgd-head, dpfp or dpfp-finetune",
-    )
-    p.add_argument(
-        "--accountant",
-        help="calibration accountant (pld default; gdp = the DP-FP paper's CLT route)",
-    )
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        metavar="N",
-        help="train on N local processes: re-runs this command under torchrun --standalone "
-        "--nproc_per_node N (DP-SGD runs of seqrec and classify dpsgd / dpsgd-head); "
-        "1 (default): in this process",
-    )
-    _add_config_arguments(p)
+    recipes = p.add_subparsers(dest="recipe", required=True, metavar="RECIPE")
+    for name, (module, config, _, _) in _TRAIN_RECIPES.items():
+        r = _add_recipe_parser(recipes, name, (module, config), help=_TRAIN_HELP[name])
+        r.add_argument(
+            "--method",
+            help="classify only: nonprivate, nonprivate-head, dpsgd, dpsgd-head, dpfp or "
+            "dpfp-finetune",
+        )
+        r.add_argument(
+            "--accountant",
+            help="calibration accountant (pld default; gdp = the DP-FP paper's CLT route)",
+        )
+        r.add_argument(
+            "--nproc",
+            type=int,
+            default=1,
+            metavar="N",
+            help="train on N local processes: re-runs this command under torchrun --standalone "
+            "--nproc_per_node N (DP-SGD runs of seqrec and classify dpsgd / dpsgd-head); "
+            "1 (default): in this process",
+        )
 
     p = sub.add_parser(
         "experiment", help="run an experiment grid: dptrain experiment {dpformer,dpfp}"
     )
-    p.add_argument("experiment", choices=["dpformer", "dpfp"])
-    _add_config_arguments(p)
+    grids = p.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
+    for name, (module, config, train, what) in _EXPERIMENTS.items():
+        _add_recipe_parser(grids, name, (module, config), help=what, train=train)
 
     p = sub.add_parser(
         "study",
         help="a language-model study: dptrain study {snr,batch-schedule,weight-decay,e2e-heatmap}",
     )
-    p.add_argument("study", choices=list(_STUDIES))
-    _add_config_arguments(p)
+    studies = p.add_subparsers(dest="study", required=True, metavar="STUDY")
+    for name, (module, config, train, what) in _STUDY_CONFIGS.items():
+        _add_recipe_parser(studies, name, (module, config), help=what, train=train)
 
     p = sub.add_parser(
-        "audit", help="measure what leaks: dptrain audit {exposure,one-run,mia} [key=value ...]"
+        "audit",
+        help="measure what leaks: dptrain audit {exposure,one-run,mia,properties} [key=value ...]",
     )
-    p.add_argument("audit", choices=["exposure", "one-run", "mia"])
-    p.add_argument("--json", action="store_true", help="one-run, mia: print results.json")
-    _add_config_arguments(p)
+    audits = p.add_subparsers(dest="audit", required=True, metavar="AUDIT")
+    for name, (module, config, train, what) in _AUDITS.items():
+        _add_recipe_parser(audits, name, (module, config), help=what, train=train)
 
-    p = sub.add_parser(
+    _add_recipe_parser(
+        sub,
         "generate",
+        ("dptrain.recipes.generate", "GenerateConfig"),
         help="DP synthetic text from a `train lm` model: dptrain generate model=FOLDER n=N "
         "[prompt=... labels=a,b ...]",
     )
-    _add_config_arguments(p)
 
-    p = sub.add_parser(
+    p = _add_recipe_parser(
+        sub,
         "demo",
+        ("dptrain.recipes.demo", "DemoConfig"),
         help="the main job: a private sentiment classifier (DP linear probe on a pretrained "
         "encoder) against no training and non-private (~1-3 min)",
+        train="classify",
+        config_flag=False,
     )
     p.add_argument("--out", default="runs/demo", help="run folder")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings to change")
 
     p = sub.add_parser(
         "bench",
@@ -288,9 +309,153 @@ _STUDIES = {
 }
 
 
-def _add_config_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML file of settings (keys as in the recipe's config)")
+_TRAIN_HELP = {
+    "seqrec": "one private sequential recommender (DPFormer, Transformer, GRU, LSTM)",
+    "classify": "private text classification: --method nonprivate | dpsgd | dpsgd-head | "
+    "dpfp | dpfp-finetune",
+    "table2text": "GPT-2-style table-to-text on E2E: BLEU / ROUGE-L (greedy, beam)",
+    "mlm": "BERT-style masked-LM pretraining: mega-batches, growing batch size, gradient-SNR",
+    "lm": "DP fine-tuning of a pretrained causal LM (SmolLM2 or a local folder; LoRA or full) "
+    "on your records: data=FILE.jsonl|csv|parquet",
+}
+
+#: ``dptrain experiment NAME``: config module and class, the ``train`` recipe whose keys
+#: it also takes, and one line for ``--help``.
+_EXPERIMENTS = {
+    "dpformer": (
+        "dptrain.recipes.dpformer_experiment",
+        "DPFormerExperimentConfig",
+        "seqrec",
+        "the DPFormer Table 1 grid (models x epsilon x seeds)",
+    ),
+    "dpfp": (
+        "dptrain.recipes.dpfp_experiment",
+        "DPFPExperimentConfig",
+        "classify",
+        "DP-FP vs DP-SGD vs non-private (methods x epsilon x seeds)",
+    ),
+}
+_STUDY_CONFIGS = {
+    **{
+        name: ("dptrain.recipes.mlm_studies", "MLMStudyConfig", "mlm", what)
+        for name, what in (
+            ("snr", "gradient signal-to-noise ratio vs batch size (masked LM, Anil et al.)"),
+            ("batch-schedule", "a growing batch size vs fixed ones (masked LM, Anil et al.)"),
+            ("weight-decay", "decoupled weight decay under DP (masked LM, Anil et al.)"),
+        )
+    },
+    "e2e-heatmap": (
+        "dptrain.recipes.table2text_study",
+        "Table2TextStudyConfig",
+        "table2text",
+        "batch size x learning rate on E2E (Li et al. Figure 2)",
+    ),
+}
+_AUDITS = {
+    "exposure": (
+        "dptrain.recipes.exposure",
+        "ExposureAuditConfig",
+        "table2text",
+        "canary exposure (Carlini et al.) private vs non-private",
+    ),
+    "one-run": (
+        "dptrain.recipes.audit_one_run",
+        "OneRunAuditConfig",
+        None,
+        "one-run audit (Steinke et al.): exit 1 if a lower bound exceeds the claimed epsilon",
+    ),
+    "mia": (
+        "dptrain.recipes.audit_mia",
+        "MIAAuditConfig",
+        None,
+        "membership inference (LiRA) on shadow probes: exit 1 if a TPR exceeds what the "
+        "epsilon allows",
+    ),
+    "properties": (
+        "dptrain.recipes.audit_properties",
+        "PropertiesConfig",
+        None,
+        "property checks of a private run (noise, sampling, sensitivity, ledger): exit 1 if "
+        "one is flagged, 2 if one could not run",
+    ),
+}
+
+
+class _SettingsHelp(argparse.Action):
+    """``-h/--help`` that also lists the recipe's settings (key, type, default, meaning).
+
+    The list is generated from the config dataclass (:func:`dptrain.config.format_config_help`)
+    when help is asked for, so building the parser imports no recipe (and no torch).
+    """
+
+    def __init__(
+        self,
+        option_strings: list[str],
+        dest: str,
+        config: tuple[str, str],
+        train: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            option_strings,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            nargs=0,
+            help="show this help with every setting: its type, default and meaning",
+        )
+        self.config = config
+        self.train = train
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any, **__: Any) -> None:
+        import importlib
+
+        from dptrain.config import format_config_help
+
+        module, name = self.config
+        cls = getattr(importlib.import_module(module), name)
+        text = (
+            "settings (key=value after the command, or key: value in a --config YAML):\n"
+            + format_config_help(cls)
+        )
+        if self.train is not None:
+            text += (
+                f"\n\nand every setting of `dptrain train {self.train}` (see its --help), "
+                "shared by every run"
+            )
+        parser.epilog = text
+        parser.print_help()
+        parser.exit()
+
+
+def _add_recipe_parser(
+    sub: Any,
+    name: str,
+    config: tuple[str, str],
+    *,
+    help: str,
+    train: str | None = None,
+    config_flag: bool = True,
+) -> argparse.ArgumentParser:
+    """A subcommand configured by a dataclass: --help lists its settings; --config, --json."""
+    from dptrain.recipes import packaged_configs
+
+    p = sub.add_parser(
+        name,
+        help=help,
+        description=help,
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-h", "--help", action=_SettingsHelp, config=config, train=train)
+    if config_flag:
+        p.add_argument(
+            "--config",
+            help="YAML file of settings, or a packaged config's name: "
+            + ", ".join(packaged_configs()),
+        )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="settings to change")
+    _add_json(p, "print the results (results.json's content) as one JSON line")
+    return p
 
 
 # -- resolving the sampling arguments ------------------------------------------------
@@ -442,6 +607,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> list[dict[str, Any]]:
             # what PLD (the tightest rigorous one) says it costs.
             rec["epsilon_pld"] = epsilon_of_schedule(cal.noise_multiplier, args.delta, schedule)
         ledger = PrivacyLedger.from_schedule(schedule, cal.noise_multiplier)
+        # the same keys as `dptrain epsilon --json`: what one unit of the guarantee is
+        rec["privacy_unit"] = ledger.privacy_unit
+        rec["neighbouring"] = ledger.neighbouring
         rec.update(_noise_figures(ledger, batch, args.max_grad_norm))
         records.append(rec)
     return records
@@ -481,6 +649,8 @@ def _cmd_calibrate_dpfp(args: argparse.Namespace) -> list[dict[str, Any]]:
         "micro_batches": cal.micro_batches,
         "mechanism_steps": cal.steps * cal.micro_batches,
         "approximate": args.accountant == "gdp",
+        "privacy_unit": PrivacyLedger().privacy_unit,
+        "neighbouring": PrivacyLedger().neighbouring,
         "epsilons": cal.epsilons,
         **{f"epsilon_{k}": v for k, v in cal.epsilons.items()},
     }
@@ -625,6 +795,8 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             print((Path(cfg.out) / "table.md").read_text())
             print(f"results: {cfg.out}/results.json")
         return _audit_exit_code(results["status"], "audit one-run")
+    if args.command == "audit" and args.audit == "properties":
+        return _audit_properties(args)
     if args.command == "audit" and args.audit == "mia":
         from dptrain.recipes.audit_mia import load_mia_config, run_mia_audit
 
@@ -642,7 +814,9 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         from dptrain.recipes.exposure import load_exposure_config, run_exposure_audit
 
         cfg = load_exposure_config(args.config or configs_dir() / "exposure.yaml", args.overrides)
-        run_exposure_audit(cfg, command)
+        results = run_exposure_audit(cfg, command)
+        if args.json:
+            return _print_json(results)
         out = Path(cfg.out)
         print((out / "table.md").read_text())
         print(f"plot: {out}/exposure.png; per canary: {out}/exposures.jsonl")
@@ -655,7 +829,9 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
         path = args.config or configs_dir() / "dpfp_experiment.yaml"
         cfg = load_dpfp_experiment_config(path, args.overrides)
-        run_dpfp_experiment(cfg, command)
+        results = run_dpfp_experiment(cfg, command)
+        if args.json:
+            return _print_json(results)
         out = Path(cfg.out)
         print((out / "table.md").read_text())
         print(f"plots: {out}/accuracy_vs_*.png; runs: {out}/<method>/<epsilon>/seed<k>/")
@@ -665,6 +841,8 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
         cfg = load_demo_config(None, [f"out={args.out}", *args.overrides])
         summary = run_demo(cfg, command)
+        if args.json:
+            return _print_json(summary)
         out = Path(cfg.out)
         print((out / "table.md").read_text())
         print(f"plot: {out / 'accuracy_vs_epsilon.png'}; runs: {out}/<nonprivate|eps*>/")
@@ -677,11 +855,40 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     )
 
     cfg = load_experiment_config(args.config, args.overrides)
-    run_dpformer_experiment(cfg, command)
+    results = run_dpformer_experiment(cfg, command)
+    if args.json:
+        return _print_json(results)
     out = Path(cfg.out)
     print((out / "table.md").read_text())
     print(f"plot: {out / 'ndcg_vs_epsilon.png'}")
     print(f"runs: {out}/<model>/<epsilon>/seed<k>/ (results.json, metrics.jsonl, plots/*.png)")
+    return 0
+
+
+def _audit_properties(args: argparse.Namespace) -> int:
+    """``dptrain audit properties``: 0 nothing flagged, 1 flagged, 2 could not run (a crash
+    too, or a check that did not run: it proves nothing)."""
+    from dptrain.recipes.audit_properties import load_properties_config, run_properties_audit
+
+    cfg = load_properties_config(args.config, args.overrides)  # bad input: ValueError, exit 2
+    try:
+        report = run_properties_audit(cfg, progress=not args.json)
+    except Exception as err:  # a check that crashed did not pass: exit 2, not 1
+        print(
+            f"dptrain audit properties: could not run: {type(err).__name__}: {err}", file=sys.stderr
+        )
+        return 2
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(f"Setting: {report.setting}.\n\n{report.table()}")
+        print(f"results: {cfg.out}/results.json")
+    if report.flagged:
+        return 1
+    if not report.complete:
+        skipped = [c.name for c in report.checks if c.status == "not run"]
+        print(f"dptrain audit properties: checks that did not run: {skipped}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -699,14 +906,16 @@ def _study(args: argparse.Namespace, command: str) -> int:
         )
 
         cfg = load_table2text_study_config(path, args.overrides)
-        run_table2text_study(cfg, command)
+        results = run_table2text_study(cfg, command)
         out = Path(cfg.out)
     else:
         from dptrain.recipes.mlm_studies import load_mlm_study_config, run_mlm_study
 
         cfg = load_mlm_study_config(path, args.overrides)
-        run_mlm_study(args.study, cfg, command)
+        results = run_mlm_study(args.study, cfg, command)
         out = Path(cfg.out) / args.study  # one YAML serves the three studies
+    if args.json:
+        return _print_json(results)
     print((out / "table.md").read_text())
     print(f"table, summary and plot: {out}/")
     return 0
@@ -727,6 +936,8 @@ def _torchrun_train(args: argparse.Namespace) -> int:
     for flag in ("method", "accountant", "config"):
         if getattr(args, flag) is not None:
             command += [f"--{flag}", str(getattr(args, flag))]
+    if args.json:
+        command.append("--json")
     command += list(args.overrides)
     return subprocess.run(command, check=False).returncode
 
@@ -754,11 +965,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc > 1:  # bad input fails here, once, before any process starts
         module.check_world_size(cfg, args.nproc)
         return _torchrun_train(args)
-    audit = bool(getattr(cfg, "audit", False))
-    with _could_not_run(f"train {args.recipe}") if audit else contextlib.nullcontext():
+    audit, what = bool(getattr(cfg, "audit", False)), f"train {args.recipe}"
+    with _could_not_run(what) if audit else contextlib.nullcontext():
         results = getattr(module, train_name)(cfg)
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports the run
         return 0
+    if args.json:
+        _print_json({**results, "run_folder": cfg.out})
+        return _audit_exit_code(results["audit"]["status"], what) if "audit" in results else 0
     if args.recipe == "classify":
         print(results["privacy_scope_detail"])
     if args.recipe == "lm":
@@ -774,7 +988,7 @@ def _train(args: argparse.Namespace) -> int:
     print(f"audit ({report['correction']}): {report['status']}; lower bounds: {bounds}")
     if report.get("reach"):
         print(f"audit reach: {report['reach']}")
-    return _audit_exit_code(report["status"], f"train {args.recipe}")
+    return _audit_exit_code(report["status"], what)
 
 
 class _CouldNotRunError(Exception):
@@ -820,11 +1034,19 @@ def _generate(args: argparse.Namespace) -> int:
 
     cfg = load_config(GenerateConfig, args.config, args.overrides)
     report = run_generate(cfg)
+    if args.json:
+        return _print_json(report)
     print(report["guarantee"])
     print(
         f"{report['n']} records ({report['empty_records']} empty), "
         f"{report['tokens_per_s']:.1f} tokens/s: {cfg.out}/synthetic.jsonl, {cfg.out}/report.json"
     )
+    return 0
+
+
+def _print_json(results: dict[str, Any]) -> int:
+    """One JSON line on stdout (what ``--json`` prints); values JSON lacks become text."""
+    print(json.dumps(results, default=str))
     return 0
 
 
@@ -839,11 +1061,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if getattr(args, "config", None) is not None:
+            from dptrain.recipes import resolve_config
+
+            args.config = str(resolve_config(args.config))
         if args.command == "accounting-demo":
             from dptrain.accounting_demo import run_demo
 
-            run_demo(args.out)
-            return 0
+            report = run_demo(args.out, show=not args.json)
+            return _print_json(report) if args.json else 0
         if args.command == "generate":
             return _generate(args)
         if args.command in ("train", "experiment", "demo", "study", "audit"):

@@ -13,7 +13,11 @@ to the field type.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import itertools
+import textwrap
 import types
 import typing
 from collections.abc import Collection, Sequence
@@ -26,6 +30,8 @@ __all__ = [
     "ConfigError",
     "config_to_dict",
     "convert_values",
+    "field_help",
+    "format_config_help",
     "load_config",
     "parse_overrides",
     "read_config_values",
@@ -202,6 +208,83 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
                 f'off/on/yes/no as false/true: quote the word, e.g. {key}: "off")'
             )
     raise ConfigError(f"{key}={value!r} is not allowed: expected {_describe(hint)}")
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """One line of meaning for each settable field of dataclass ``cls``.
+
+    The line is the field's ``metadata["help"]`` or else its attribute docstring (the
+    string literal right below the field in the class body, PEP 257's "attribute
+    docstrings" as Sphinx reads them), whitespace collapsed: help and source
+    documentation are the same text, so they cannot drift apart. Base classes are read
+    too; a field without either has no entry (tests/test_config.py asserts that every
+    recipe config documents every field).
+    """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    out = {}
+    for f in dataclasses.fields(cls):
+        text = f.metadata.get("help") or docs.get(f.name)
+        if f.init and text:
+            out[f.name] = text
+    return out
+
+
+def format_config_help(cls: type, *, skip: Collection[str] = (), width: int = 88) -> str:
+    """``cls``'s settings as ``--help`` text: each key with its type, default and meaning.
+
+    ``skip`` names fields left out (e.g. a nested ``train`` mapping described apart).
+    """
+    meaning = field_help(cls)
+    lines = []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in skip:
+            continue
+        lines.append(f"  {f.name}: {_type_name(f.type)} = {_show_default(f)}")
+        text = meaning.get(f.name, "(undocumented)").replace("``", "")
+        lines += textwrap.wrap(
+            text, width, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False
+        )
+    return "\n".join(lines)
+
+
+def _type_name(hint: Any) -> str:
+    # with postponed annotations the field's type is the source text, e.g. "float | None"
+    return hint if isinstance(hint, str) else getattr(hint, "__name__", str(hint))
+
+
+def _show_default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "(required)"
+    if dataclasses.is_dataclass(value):
+        return "{...}"
+    if isinstance(value, tuple):
+        value = list(value)
+    # shown as it is written in YAML or key=value (null, true, [3, 8]), not Python's repr
+    return (
+        yaml.safe_dump(value, default_flow_style=True, width=10_000)
+        .strip()
+        .removesuffix("\n...")
+        .removesuffix(" ...")
+        .removesuffix("...")
+        .strip()
+    )
 
 
 #: The YAML 1.1 words for true and false, which a ``key=value`` override keeps as text.

@@ -30,8 +30,11 @@ from torch import Tensor
 
 from dptrain._checks import check_int, check_positive, check_sample_rate
 from dptrain.accounting import PrivacyLedger
-from dptrain.clipping.engine import ClippingEngine, ClipStats, upcast
+from dptrain.clipping.engine import ClippingEngine, ClipStats
 from dptrain.clipping.grad_store import LOW_PRECISION
+from dptrain.clipping.precision import upcast
+from dptrain.generators import canonical_device, restore_generator
+from dptrain.secure_random import secure_normal
 
 __all__ = ["DPOptimizer", "PrivacyBudgetExhaustedError", "StepMetrics", "noisy_clipped_gradient"]
 
@@ -116,6 +119,9 @@ class DPOptimizer(torch.optim.Optimizer):
         engine: the clipping engine that fills ``p.grad``; if given, every step first
             checks that each trainable parameter's gradient is the engine's clipped
             sum, untouched since (:meth:`ClippingEngine.check_gradients`).
+        secure_mode: draw the noise from the OS's CSPRNG
+            (:func:`dptrain.secure_random.secure_normal`) instead of a seeded torch
+            generator; cannot be combined with ``seed``.
 
     LR schedulers can be attached to this object directly: ``param_groups``
     are the wrapped optimizer's.
@@ -133,7 +139,14 @@ class DPOptimizer(torch.optim.Optimizer):
         seed: int | None = None,
         max_steps: int | None = None,
         engine: ClippingEngine | None = None,
+        secure_mode: bool = False,
     ):
+        if secure_mode and seed is not None:
+            raise ValueError(
+                f"secure_mode=True with seed={seed!r}: secure noise comes from the OS's "
+                "CSPRNG and cannot be seeded (a known seed would let anyone recompute the "
+                "noise); drop the seed"
+            )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -160,7 +173,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._sums: dict[int, Tensor] = {}
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
-        self._generator_for(torch.device("cpu"))
+        self.secure_mode = secure_mode
+        if not secure_mode:  # secure noise has no generator (and no seed to log)
+            self._generator_for(torch.device("cpu"))
 
     # -- delegation so LR schedulers and checkpoints see the wrapped optimizer --------------
 
@@ -185,6 +200,7 @@ class DPOptimizer(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
+        device = canonical_device(device)
         if device not in self._generators:
             # One seed for the run; each device's generator starts from it.
             seed = self._seed_arg if self._seed_arg is not None else self.seed
@@ -236,7 +252,12 @@ class DPOptimizer(torch.optim.Optimizer):
         signal = _norms([s.detach() for s in sums])
         noise_norms = []
         for p, s in zip(params, sums, strict=True):
-            noise = torch.empty_like(s).normal_(0.0, std, generator=self._generator_for(p.device))
+            if self.secure_mode:
+                noise = secure_normal(s.shape, std, dtype=s.dtype, device=s.device)
+            else:
+                noise = torch.empty_like(s).normal_(
+                    0.0, std, generator=self._generator_for(p.device)
+                )
             noise_norms.append(torch.linalg.vector_norm(noise))
             s.add_(noise).div_(k * self.expected_batch_size)
             _publish(p, s)
@@ -301,7 +322,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.sample_rate = state["sample_rate"]
         self.expected_batch_size = state["expected_batch_size"]
         for device, gen_state in state["generators"].items():
-            self._generator_for(torch.device(device)).set_state(gen_state)
+            # The state may arrive on the training device (accelerate moves every tensor of
+            # an optimizer's state there) or as a list: set_state takes a CPU uint8 tensor.
+            restore_generator(self._generator_for(torch.device(device)), gen_state)
 
     def __repr__(self) -> str:
         return (

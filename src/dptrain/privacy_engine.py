@@ -38,6 +38,7 @@ from dptrain.data import ChunkUnits, DPDataLoader, LogicalBatch
 from dptrain.data.hf_datasets import with_torch_rows
 from dptrain.data.poisson import group_records
 from dptrain.optim import DPOptimizer
+from dptrain.supported import check_model_supported, refuse_unsupported_autocast
 
 __all__ = ["PrivateTraining", "check_optimizer_matches", "make_private"]
 
@@ -155,12 +156,31 @@ class PrivateTraining:
         return make_accountant(accountant or self.accountant, self.ledger).epsilon(delta)
 
 
+def _batch_size_of(data: Any, batch_size: Any) -> int | Callable[[int], int]:
+    """B from ``batch_size=`` or, when it is None, from the DataLoader ``data``."""
+    loader_batch = data.batch_size if isinstance(data, torch.utils.data.DataLoader) else None
+    if batch_size is None:
+        if loader_batch is None:
+            raise ValueError(
+                "batch_size=None: give batch_size= (the expected logical batch size B; "
+                "q = B / N), or pass a DataLoader built with batch_size=B"
+            )
+        return loader_batch
+    # 1 is DataLoader's default, indistinguishable from "not given": batch_size= decides
+    if loader_batch not in (None, 1, batch_size) and not callable(batch_size):
+        raise ValueError(
+            f"batch_size={batch_size!r} and the DataLoader's batch_size={loader_batch} differ: "
+            "give the expected logical batch size once (either is enough)"
+        )
+    return batch_size
+
+
 def make_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     data: Any,
     *,
-    batch_size: int | Callable[[int], int],
+    batch_size: int | Callable[[int], int] | None = None,
     max_grad_norm: float,
     epochs: float | None = None,
     steps: int | None = None,
@@ -178,15 +198,18 @@ def make_private(
     privacy_unit: str | None = None,
     user_ids: Any = None,
     ledger: PrivacyLedger | None = None,
+    secure_mode: bool = False,
 ) -> PrivateTraining:
     """Make ``model``, ``optimizer`` and ``data`` private (DP-SGD / DP-Adam with Poisson sampling).
 
     Args:
         data: a map-style Dataset (a ``datasets.Dataset`` too: without ``collate_fn`` its
-            rows are read as tensors), or a DataLoader whose dataset (and collate_fn) are used.
+            rows are read as tensors), or a DataLoader whose dataset, collate_fn and
+            batch_size are used (its sampler is not: batches are Poisson-sampled anew).
         batch_size: the expected logical batch size B (q = B / N), or a function
             step -> B for a growing batch size (Anil et al. 2021; needs ``steps``):
-            calibration and the ledger then follow the schedule step by step.
+            calibration and the ledger then follow the schedule step by step. None
+            (default): the DataLoader's ``batch_size``, as Opacus' make_private takes it.
         max_grad_norm: the clipping norm C.
         epochs / steps: the training length (one of them).
         target_epsilon, target_delta: calibrate sigma so the planned steps meet them; or
@@ -208,7 +231,23 @@ def make_private(
             records, and each user's gradient summed over their records in the batch is
             clipped as one (:mod:`dptrain.clipping.units`), also across chunks.
         ledger: continue an existing ledger (a resumed run).
+
+    Trainable parameters must be float32, float64 or bfloat16 on a CPU or CUDA device,
+    and a forward under autocast must autocast to bfloat16 (:mod:`dptrain.supported`);
+    anything else is refused with a ValueError naming it.
+        secure_mode: draw the noise and the Poisson sampling from the operating system's
+            cryptographically secure generator (:mod:`dptrain.secure_random`; Opacus'
+            ``secure_mode``): no seed exists that predicts them. Slower noise (0.3-0.6 us
+            a coordinate on one CPU thread, 50-90x torch's) and not reproducible, so ``seed``
+            must be None.
     """
+    batch_size = _batch_size_of(data, batch_size)
+    if secure_mode and seed is not None:
+        raise ValueError(
+            f"secure_mode=True with seed={seed!r}: secure noise and sampling come from the "
+            "OS's CSPRNG and cannot be seeded (a known seed would let anyone recompute the "
+            "noise); drop the seed"
+        )
     dataset = getattr(data, "dataset", data)
     if collate_fn is None and isinstance(data, torch.utils.data.DataLoader):
         collate_fn = data.collate_fn
@@ -270,6 +309,7 @@ def make_private(
     else:
         sigma = check_positive("noise_multiplier", noise_multiplier)
     check_optimizer_matches(model, optimizer)
+    check_model_supported(model)
     engine = ClippingEngine(
         model, max_grad_norm, clipping=clipping, mode=mode, norm_method=norm_method
     )
@@ -289,6 +329,7 @@ def make_private(
         seed=seed,
         max_steps=ledger.num_steps + total_steps if target_epsilon is not None else None,
         engine=engine,
+        secure_mode=secure_mode,
     )
     loader = DPDataLoader(
         dataset,
@@ -299,7 +340,11 @@ def make_private(
         seed=seed,
         unit_ids=user_ids,
         chunk_key=chunk_key,
+        secure=secure_mode,
     )
+    # float16 autocast is only visible when the forward runs: refused there, before the
+    # backward that would clip it (and so before the first step)
+    refuse_unsupported_autocast(model)
     return PrivateTraining(
         model=model,
         optimizer=dp_optimizer,

@@ -107,7 +107,9 @@ def test_method_and_workload_names():
         "opacus-functorch",
     )
     for name, w in workloads.WORKLOADS.items():
-        if w.model != "smollm2":  # the real model is tied; its names say full or LoRA
+        if w.model in ("smollm2", "llama"):  # tied Llamas: their names say full or LoRA
+            assert w.tied and ("-full" in name or "-lora" in name)
+        else:
             assert name.endswith("-tied") == w.tied
     assert workloads.check_methods(["opacus-ghost"]) == ("nonprivate", "opacus-ghost")
     with pytest.raises(ValueError, match="method='sgd' is not allowed"):

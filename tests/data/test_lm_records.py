@@ -31,6 +31,7 @@ from dptrain.data.lm_records import (
     lm_pad_token_id,
     lm_records_from_rows,
     read_lm_records,
+    render_chat,
     split_by_group,
     split_lm_records,
     tokenize_lm_records,
@@ -605,3 +606,94 @@ def test_examples_feed_the_poisson_loader(small):
     )
     for batch in loader:
         assert sum(len(chunk["input_ids"]) for chunk in batch.chunks) == batch.size
+
+
+# -- a newcomer's data: column names, every bad record, the system prompt ----------------------
+
+
+def test_record_columns_under_other_names():
+    rows = [{"question": "Q: a?", "answer": " b", "prompt": "ignored"}]
+    records = lm_records_from_rows(rows, prompt_col="question", completion_col="answer")
+    assert records.record_format == "prompt_completion"
+    assert (records[0].prompt, records[0].completion) == ("Q: a?", " b")
+    with raises("has no recognised record format: found columns 'question', 'answer'"):
+        lm_records_from_rows([{"question": "q", "answer": "a"}])
+    with raises("(with completion_col='answer', prompt_col='query')"):
+        lm_records_from_rows(rows, prompt_col="query", completion_col="answer")
+    with raises("completion_col='question' is not allowed: it is also prompt_col"):
+        lm_records_from_rows(rows, prompt_col="question", completion_col="question")
+    chats = [
+        {"dialog": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    ]
+    assert lm_records_from_rows(chats, messages_col="dialog")[0].messages[1]["content"] == "yo"
+
+
+def test_every_bad_record_is_counted_and_the_first_ten_named():
+    rows = [{"prompt": "p", "completion": "" if i % 3 == 0 else "c"} for i in range(45)]
+    with pytest.raises(ValueError) as err:
+        lm_records_from_rows(rows, source="notes.jsonl")
+    message = str(err.value)
+    assert message.startswith("15 of 45 records of notes.jsonl are not usable (the first 10 shown)")
+    named = re.findall(r"record (\d+) has an empty completion", message)
+    assert named == [str(r) for r in range(1, 30, 3)]
+    assert message.endswith("... and 5 more")
+    # one bad record: its own message, as before
+    with raises("rows: record 2 has an empty completion"):
+        lm_records_from_rows(
+            [{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": ""}]
+        )
+
+
+# SmolLM2's way: a default system turn before a conversation without a system message.
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+    "<|system|>\nYou are a helpful AI assistant<|end|>\n{% endif %}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_system_prompt_default_none_or_a_text():
+    tokenizer = make_small_tokenizer(chat_template=DEFAULT_SYSTEM_TEMPLATE)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
+    turns = "<|user|>\nhi<|end|>\n<|assistant|>\nyes<|end|>\n"
+    assert render_chat(tokenizer, chat) == (
+        "<s><|system|>\nYou are a helpful AI assistant<|end|>\n" + turns
+    )
+    assert render_chat(tokenizer, chat, system_prompt="none") == "<s>" + turns  # BOS kept
+    assert render_chat(tokenizer, chat, system_prompt="Be brief.") == (
+        "<s><|system|>\nBe brief.<|end|>\n" + turns
+    )
+    assert render_chat(tokenizer, chat[:1], add_generation_prompt=True, system_prompt="none") == (
+        "<s><|user|>\nhi<|end|>\n<|assistant|>\n"
+    )
+    # a record's own system message is kept whatever system_prompt says
+    own = [{"role": "system", "content": "Mine."}, *chat]
+    for system in ("default", "none", "Be brief."):
+        assert render_chat(tokenizer, own, system_prompt=system).startswith("<s><|system|>\nMine.")
+    with raises("system_prompt='' is not allowed: expected 'default'"):
+        render_chat(tokenizer, chat, system_prompt="")
+
+
+def test_system_prompt_none_keeps_the_loss_on_the_assistant_turn_only():
+    tokenizer = make_small_tokenizer(chat_template=DEFAULT_SYSTEM_TEMPLATE)
+    records = lm_records_from_rows([{"messages": list(CONVERSATION[1:])}])
+    examples = {
+        system: tokenize_lm_records(records, tokenizer, max_length=128, system_prompt=system)
+        for system in ("default", "none")
+    }
+    ids = {s: e[0]["input_ids"].tolist() for s, e in examples.items()}
+    labels = {
+        s: [t for t in e[0]["labels"].tolist() if t != IGNORE_INDEX] for s, e in examples.items()
+    }
+    assert labels["none"] == labels["default"]  # the same assistant tokens are learnt
+    assert tokenizer.decode(ids["none"]).startswith("<s><|user|>\nwhat is the answer?")
+    assert len(ids["default"]) - len(ids["none"]) == len(
+        tokenizer("<|system|>\nYou are a helpful AI assistant<|end|>\n", add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
+    assert examples["none"].summary["system_prompt"] == "none"
+    generation = make_small_tokenizer(chat_template=GENERATION_TEMPLATE)
+    with raises("system_prompt='none' is not allowed with a template that has {% generation %}"):
+        tokenize_lm_records(records, generation, max_length=128, system_prompt="none")

@@ -156,6 +156,21 @@ def test_state_dict_resume_continues_the_same_batches():
     assert first + rest == list(PoissonBatchSampler(200, q, 5, seed=99))
 
 
+def test_state_whose_generator_state_was_moved_resumes():
+    """A state that went through accelerate's move_to_device as a tensor (on the GPU)."""
+    from tests.fake_device import FakeCudaTensor
+
+    sampler = PoissonBatchSampler(100, 0.2, 4, seed=3)
+    it = iter(sampler)
+    next(it)
+    state = sampler.state_dict()
+    rest = list(it)
+    moved = torch.tensor(state["generator_state"], dtype=torch.uint8)
+    resumed = PoissonBatchSampler(100, 0.2, 4)
+    resumed.load_state_dict({**state, "generator_state": FakeCudaTensor(moved)})
+    assert list(resumed) == rest
+
+
 def test_loader_state_dict_resume():
     data = torch.arange(30.0)
     loader = DPDataLoader(data, 0.3, 4, max_physical_batch_size=3, seed=8)
@@ -400,3 +415,14 @@ def test_chunk_key_places_a_user_by_its_largest_record():
     loader = DPDataLoader(list(range(6)), 1.0, 1, 6, seed=0, unit_ids=user_ids, chunk_key=key)
     (batch,) = list(loader)
     assert [int(i) for chunk in batch.chunks for i in chunk] == [2, 0, 1, 3, 4, 5]
+
+
+def test_secure_sampling_draws_from_os_urandom_and_refuses_a_seed(monkeypatch):
+    import dptrain.secure_random as secure_random
+
+    with pytest.raises(ValueError, match=r"^secure=True with generator=None, seed=3: .*cannot be"):
+        PoissonBatchSampler(100, 0.5, 2, seed=3, secure=True)
+    # all-zero bytes: every uniform is 0 < q, so every record joins every batch
+    monkeypatch.setattr(secure_random.os, "urandom", lambda n: bytes(n))
+    sampler = PoissonBatchSampler(100, 0.01, 2, secure=True)
+    assert list(sampler) == [list(range(100))] * 2

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.checkpoint import load_checkpoint, save_checkpoint
-from dptrain.clipping.engine import upcast
+from dptrain.clipping.precision import upcast
 from dptrain.distributed import (
     DistributedConfigError,
     DistributedDPOptimizer,

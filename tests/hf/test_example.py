@@ -26,10 +26,14 @@ def _example():
     return module
 
 
-def test_example_trains_privately_and_saves_the_report(tmp_path):
+def test_example_trains_privately_and_saves_the_report(tmp_path, capsys):
     # --user-level: the group_by path too (example-level is what the other tests train)
     argv = ["--tiny", "--max-steps", "2", "--output-dir", str(tmp_path), "--seed", "0"]
     result = _example().main([*argv, "--user-level"])
+    # docs/hf.md's line, shown without any logging set-up (a default run)
+    shown = capsys.readouterr().out
+    assert f"privacy budget spent: 2 steps, epsilon {result['epsilon']:.4g} at delta" in shown
+    assert "per user); training stops" in shown
     assert result["steps"] == 2
     assert result["privacy_unit"] == "user"
     assert 0 < result["epsilon"] <= 8.0

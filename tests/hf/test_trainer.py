@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from transformers import default_data_collator
 
 from dptrain import make_private
-from dptrain.hf import DPTrainer, DPTrainerError, PrivacyArguments
+from dptrain.hf import DPTrainer, DPTrainerError, PrivacyArguments, PrivacyArgumentsError
 from dptrain.losses import per_example_cross_entropy
 from tests.hf import tiny
 
@@ -151,3 +151,28 @@ def test_an_optimizer_given_to_trainer_is_the_one_made_private(tmp_path):
     trainer.train()
     assert trainer.privacy.optimizer.original_optimizer is mine
     assert all(s["step"] == 2 for s in mine.state.values())  # two updates, both Adam's
+
+
+def test_secure_mode_trains_from_os_urandom(tmp_path, monkeypatch):
+    """PrivacyArguments(secure_mode=True): noise and sampling from os.urandom, no seed."""
+    import os
+
+    import dptrain.secure_random as secure_random
+
+    with pytest.raises(PrivacyArgumentsError, match=r"^secure_mode=True with seed=3: "):
+        PrivacyArguments(target_epsilon=8.0, target_delta=1e-5, seed=3, secure_mode=True)
+    drawn = []
+    real_urandom = os.urandom
+    monkeypatch.setattr(secure_random.os, "urandom", lambda n: drawn.append(n) or real_urandom(n))
+    tiny.quiet_transformers()
+    trainer = DPTrainer(
+        model=tiny.llama(),
+        args=tiny.training_args(str(tmp_path), max_steps=2),
+        train_dataset=tiny.lm_records(40),
+        privacy_args=PrivacyArguments(target_epsilon=8.0, target_delta=1e-5, secure_mode=True),
+    )
+    trainer.train()
+    assert trainer.privacy.optimizer.secure_mode and trainer.privacy.optimizer.seed is None
+    assert trainer.privacy.optimizer.steps_taken == 2
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert sum(drawn) >= 2 * (8 * 40 + 32 * trainable)  # sampling and noise, both steps

@@ -183,3 +183,9 @@ def test_chat_prompt_is_the_rendered_user_turn_with_the_assistant_turn_opened(tr
     cfg = _cfg(trained["full"], tmp_path, chat=True, prompt="Write a {label} review.")
     records = generate_records(model, tokenizer, cfg)
     assert [r["label"] for r in records] == ["good", "bad", "good", "bad", "good"]
+    # the system turn as train lm's system_prompt= made it
+    ids = _prompt_ids(tokenizer, "Hi.", chat=True, system_prompt="Be kind.")
+    assert (
+        tokenizer.decode(ids)
+        == "<s><|system|>\nBe kind.<|end|>\n<|user|>\nHi.<|end|>\n<|assistant|>\n"
+    )

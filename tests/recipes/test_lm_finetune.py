@@ -456,3 +456,126 @@ def test_audit_section_in_results(files, tmp_path):
         dataclasses.replace(cfg, private=False)
     with pytest.raises(ValueError, match="audit=true is not allowed with clipping='per_layer'"):
         dataclasses.replace(cfg, clipping="per_layer")  # one clip factor per group, not per record
+
+
+@pytest.mark.parametrize("device", ["cuda:99", "mps"])
+def test_a_device_this_machine_lacks_is_named_by_the_cli(files, tmp_path, capsys, device):
+    """Refused with exit 2 before the data or the model are read; nothing is written."""
+    code = main(
+        [
+            "train",
+            "lm",
+            f"data={files / 'pc.jsonl'}",
+            f"model={files / 'tiny'}",
+            f"device={device}",
+            f"out={tmp_path / 'run'}",
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    expected = "is not available here" if device.startswith("cuda") else "is not allowed"
+    assert f"device='{device}' {expected}" in err
+    assert not (tmp_path / "run").exists()
+
+
+# -- a newcomer's data ---------------------------------------------------------------------------
+
+
+def _cli(files, tmp_path, *overrides):
+    return main(
+        [
+            "train",
+            "lm",
+            f"model={files / 'tiny'}",
+            "lora_r=0",
+            "steps=2",
+            "batch_size=8",
+            "max_physical_batch_size=8",
+            "eval_every=2",
+            "max_length=32",
+            "num_generations=0",
+            "max_eval_examples=4",
+            "seed=0",
+            "progress=false",
+            f"out={tmp_path / 'run'}",
+            *overrides,
+        ]
+    )
+
+
+def test_cli_reads_prompt_and_completion_from_the_users_column_names(files, tmp_path, capsys):
+    renamed = [{"question": r["prompt"], "answer": r["completion"]} for r in _rows()]
+    pd.DataFrame(renamed).to_json(tmp_path / "qa.jsonl", orient="records", lines=True)
+    data = f"data={tmp_path / 'qa.jsonl'}"
+    assert _cli(files, tmp_path, data) == 2  # the default names are not there
+    assert "has no recognised record format: found columns 'question', 'answer'" in (
+        capsys.readouterr().err
+    )
+    assert _cli(files, tmp_path, data, "prompt_col=question", "completion_col=answer") == 0
+    run = _read(tmp_path / "run" / "data.json")["train"]
+    assert run["record_format"] == "prompt_completion"
+    # the same examples as the same records under the default names (pc.jsonl)
+    from dptrain.data.lm_records import read_lm_records
+
+    default = read_lm_records(files / "pc.jsonl")
+    renamed = read_lm_records(tmp_path / "qa.jsonl", prompt_col="question", completion_col="answer")
+    assert [(r.prompt, r.completion) for r in renamed] == [
+        (r.prompt, r.completion) for r in default
+    ]
+    assert run["records"] == 54 and run["tokenized"]["examples"] == 54
+
+
+def test_cli_names_every_bad_record_up_to_ten_and_counts_them(files, tmp_path, capsys):
+    rows = _rows()
+    for i in range(0, 60, 2):  # 30 bad records: rows 1, 3, ..., 59
+        rows[i]["completion"] = "  "
+    pd.DataFrame(rows).to_json(tmp_path / "bad.jsonl", orient="records", lines=True)
+    assert _cli(files, tmp_path, f"data={tmp_path / 'bad.jsonl'}") == 2
+    err = capsys.readouterr().err
+    assert "30 of 60 records of " in err and "are not usable (the first 10 shown)" in err
+    for row in range(1, 20, 2):
+        assert f"record {row} has an empty completion" in err
+    assert "record 21 has" not in err and "... and 20 more" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_system_prompt_none_trains_without_the_templates_system_turn(files, tmp_path):
+    """SmolLM2's template adds its default system prompt to a conversation without one;
+    system_prompt='none' drops it from the training examples (the tiny tokenizer gets such
+    a template here; tests/data/test_lm_records.py checks the renderings and masks)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from dptrain.data.lm_records import read_lm_records, split_lm_records, tokenize_lm_records
+
+    folder = tmp_path / "tiny-default-system"
+    shutil.copytree(files / "tiny", folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+        "<|system|>\nYou are a helpful AI assistant<|end|>\n{% endif %}"
+        "<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    tokenizer.save_pretrained(folder)
+    cfg = _cfg(
+        files,
+        tmp_path,
+        data=str(files / "chat.jsonl"),
+        model=str(folder),
+        system_prompt="none",
+        steps=1,
+        eval_every=1,
+        max_length=64,
+        num_generations=0,
+    )
+    train_lm(cfg)
+    tokenized = _read(tmp_path / "run" / "data.json")["train"]["tokenized"]
+    assert tokenized["system_prompt"] == "none"
+    train, _ = split_lm_records(read_lm_records(files / "chat.jsonl"), valid_fraction=0.1)
+    default = tokenize_lm_records(train, tokenizer, max_length=64).summary
+    turn = len(tokenizer("<|system|>\nYou are a helpful AI assistant<|end|>\n")["input_ids"])
+    # every example is shorter by the default system turn (less the <s> the call above adds)
+    n = tokenized["examples"]
+    assert default["tokens"] - tokenized["tokens"] == n * (turn - 1)

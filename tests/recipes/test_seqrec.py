@@ -175,3 +175,20 @@ def test_packaged_config_loads():
         cfg = load_config(SeqRecTrainConfig, path)
         assert cfg.model in ("dpformer", "transformer")
         assert set(yaml.safe_load(path.read_text())) <= set(vars(cfg))
+
+
+def test_cli_train_json_prints_the_results_with_the_privacy_keys(tmp_path, capsys):
+    from dptrain.cli import main
+
+    data = _interactions(tmp_path / "inter.csv")
+    argv = ["train", "seqrec", "--json", f"data={data}", "model=gru", "max_len=6", "epochs=1"]
+    argv += ["batch_size=16", "d_model=8", "progress=false", f"out={tmp_path / 'r'}"]
+    assert main(argv) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()  # one JSON line, nothing else
+    printed = json.loads(line)
+    saved = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert printed["run_folder"] == str(tmp_path / "r")
+    # the keys `dptrain epsilon --json` uses for the same quantities
+    assert printed["privacy_unit"] == saved["privacy_unit"] == "user"  # a user's sequence
+    assert printed["epsilon"] == saved["epsilon"]
+    assert printed["delta"] == saved["delta"] > 0

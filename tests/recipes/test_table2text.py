@@ -547,3 +547,14 @@ def test_audit_bad_config():
 def test_bad_pretrained_config(kw, match):
     with pytest.raises(ValueError, match=match):
         Table2TextConfig(**kw)
+
+
+def test_a_device_this_machine_lacks_is_named_by_the_cli(tmp_path, capsys):
+    """Refused with exit 2 before the data or a model are read; nothing is written."""
+    from dptrain.cli import main
+
+    data = write_e2e(tmp_path / "e2e", synthetic_pairs(8, 3), synthetic_pairs(3, 2, 5))
+    code = main(["train", "table2text", f"data={data}", "device=cuda:99", f"out={tmp_path / 'r'}"])
+    assert code == 2
+    assert "device='cuda:99' is not available here" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

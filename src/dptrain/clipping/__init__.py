@@ -6,6 +6,7 @@ from dptrain.clipping.engine import (
     NORM_METHODS,
     ClippingEngine,
     ClipStats,
+    UnclippedGradientError,
     UnsupportedModelError,
 )
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
@@ -48,6 +49,7 @@ __all__ = [
     "ReplayRule",
     "RouterRule",
     "T5RelativeBiasRule",
+    "UnclippedGradientError",
     "UnsupportedInputsWarning",
     "UnsupportedModelError",
     "automatic_factors",

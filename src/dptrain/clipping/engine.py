@@ -10,7 +10,7 @@ per-example losses L_i (B,), :meth:`ClippingEngine.backward`
    (``torch.autograd.grad``: autograd skips the parameter-gradient kernels),
    so row i of each output gradient ``g`` belongs to example i; modules with
    small per-example gradients (LoRA, norm layers) form them as their g
-   arrives and keep neither g nor a ("streamed", see _output_gradients);
+   arrives and keep neither g nor a ("streamed", :mod:`dptrain.clipping.streaming`);
 2. computes every example's gradient norm per parameter from (a, g) with the
    layer rules (ghost norm or instantiation, chosen per layer by cost), with
    phantom clipping for an embedding tied to an output layer;
@@ -53,39 +53,34 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_map
 
 from dptrain._checks import check_positive
 from dptrain.clipping import independence, self_check, shared_table
 from dptrain.clipping.decisions import RowDecisions
-from dptrain.clipping.errors import UnsupportedModelError
+from dptrain.clipping.errors import UnclippedGradientError, UnsupportedModelError
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
 from dptrain.clipping.grad_store import LOW_PRECISION, GradStore
-from dptrain.clipping.graph_check import (
-    grad_node,
-    interior,
-    parameter_uses,
+from dptrain.clipping.graph_check import grad_node, interior, parameter_uses
+from dptrain.clipping.precision import upcast
+from dptrain.clipping.records import (
+    AutocastCopies,
+    Call,
+    Use,
+    build_records,
+    detached,
+    in_backward,
+    low_precision,
+    tensor_inputs,
 )
-from dptrain.clipping.phantom import phantom_cross_term
 from dptrain.clipping.replay import ReplayRule
-from dptrain.clipping.rules import (
-    EmbeddingRule,
-    LayerRule,
-    LinearRule,
-    _param,
-    _trainable,
-    embedding_ghost_norm,
-    find_rule,
-    gram_cache,
-    gram_inner,
-    weighted_sum,
-)
+from dptrain.clipping.rules import EmbeddingRule, LayerRule, _param, _trainable, find_rule
 from dptrain.clipping.state import (
     StateSnapshot,
     StateWatch,
@@ -93,9 +88,18 @@ from dptrain.clipping.state import (
     state_refusal,
     uses_batch_statistics,
 )
+from dptrain.clipping.streaming import Streaming
+from dptrain.clipping.sums import NormsAndSums
 from dptrain.clipping.units import UnitIndex, unit_index
 
-__all__ = ["CLIPPING_MODES", "NORM_METHODS", "ClipStats", "ClippingEngine", "UnsupportedModelError"]
+__all__ = [
+    "CLIPPING_MODES",
+    "NORM_METHODS",
+    "ClipStats",
+    "ClippingEngine",
+    "UnclippedGradientError",
+    "UnsupportedModelError",
+]
 
 #: How the clipped sum is formed: one backward (book-keeping) or two (ghost).
 CLIPPING_MODES = ("book_keeping", "ghost")
@@ -131,53 +135,6 @@ class ClipStats:
     @property
     def max_norm(self) -> float:
         return float(self.norms.max()) if self.batch_size else 0.0
-
-
-@dataclass(eq=False)
-class _Call:
-    """What one forward call of a clippable module recorded."""
-
-    index: int
-    """Its place among the module's calls in this forward (0 for the first)."""
-    a: Tensor | None
-    """The input the rule reads (detached); (b, T) ids for an expanded shared table. None
-    once a streamed call's per-example gradients are formed (its last reader)."""
-    edge: GradientEdge
-    """Where the output's gradient enters the graph (not the output: holding it would
-    keep e.g. the (B, T, vocab) logits alive through the backward)."""
-    out_shape: tuple[int, ...]
-    in_nodes: list
-    """Graph nodes of the call's tensor inputs: where the module's own operations end."""
-    expanded_to: int | None = None
-    """For a table shared by all examples: the number of examples its output is broadcast
-    to (``a``: the ids repeated per example; ``edge``: the broadcast's output), or None."""
-    shared: bool = False
-    """Looked up with ids every example may share ((T,) or (1, T)): which rows are whose is
-    found at the backward, where the output is broadcast over the batch (shared_table.py)."""
-    batch_dim: int = 0
-    """The dimension of the output that holds the examples (1 for a time-first module)."""
-    inputs: tuple | None = None
-    """(args, kwargs), detached, for a rule that replays the call (replay.py)."""
-    low_precision: bool = False
-    """The call ran in float16/bfloat16 (autocast, or such inputs or outputs): autograd
-    would form its parameters' gradients in that precision (see ``_sum_from_records``)."""
-    a_shape: tuple[int, ...] = field(init=False)
-    """``a``'s shape, for messages once ``a`` is gone."""
-
-    def __post_init__(self) -> None:
-        self.a_shape = tuple(self.a.shape)
-
-
-@dataclass(eq=False)  # identity: a _Use is a dict key
-class _Use:
-    """One clippable module and what its forward calls recorded."""
-
-    name: str
-    module: nn.Module
-    rule: LayerRule
-    calls: list[_Call] = field(default_factory=list)
-    unrecorded: str | None = None
-    """Why a forward call could not be recorded (then its parameters' uses are refused)."""
 
 
 class ClippingEngine:
@@ -230,23 +187,29 @@ class ClippingEngine:
         self.gamma = check_positive("gamma", gamma)
         self._uses = self._plan(model)
         self._groups = self._group_params()
-        self._streamable = self._streamable_uses()
-        self._stream_choices: dict[tuple, bool] = {}  # _streams' answers by shapes
         self.layer_max_grad_norms = self._layer_thresholds(layer_max_grad_norms)
         self._batch_shape: tuple[int, ...] | None = None
-        # Per-example gradients of instantiated modules, kept for the sum: formed during the
-        # backward for streamed modules (see _output_gradients), else from their records.
-        self._per_example: dict[_Use, dict[str, Tensor]] = {}
-        # Rules that read this backward's records differently from the module's rule: the
-        # unfolded view of a raw-layout rule called several times (see _records).
-        self._views: dict[_Use, LayerRule] = {}
+        # Norms and weighted sums from each backward's records, with the per-example
+        # gradients of instantiated modules kept for the sum (sums.py) ...
+        self._norms_sums = NormsAndSums(self._groups, norm_method)
+        # ... and the modules whose per-example gradients are formed during the backward
+        # as their output gradients arrive (streaming.py).
+        shared = {id(self.parameter(n)) for n, uses in self._groups.items() if len(uses) > 1}
+        self._streaming = Streaming(
+            list(self._uses.values()),
+            shared,
+            self._norms_sums.ghost,
+            lambda: self._norms_sums.per_example,
+        )
+        # Linear layers' float32 inputs as autocast computed with them (records.py).
+        self._autocast_copies = AutocastCopies()
         # True while a replaying rule re-runs modules: those forwards are not new calls.
         self._replaying = False
         # The root call's inputs (detached) and, during an independence check's re-run, the
         # first input of each clipped module's calls (independence.py).
         self._root_inputs: tuple | None = None
         self._root_random_state: tuple | None = None
-        self._probe: dict[_Use, list] | None = None
+        self._probe: dict[Use, list] | None = None
         self._probe_pool: independence.SummaryPool | None = None
         # What is known about which rows are whose, and what each chunk must establish.
         self._rows = RowDecisions()
@@ -254,10 +217,10 @@ class ClippingEngine:
         """How many chunks were checked exactly so far (new layout patterns)."""
         self.streamed: tuple[str, ...] = ()
         """Modules whose per-example gradients the last backward formed as their output
-        gradients arrived, dropping those (see _streams)."""
+        gradients arrived, dropping those (streaming.py)."""
         # The clipped sums in p.grad (float32 beside a low-precision one), and which
         # p.grad the engine wrote: grad_store.py.
-        self._sums = GradStore()
+        self._store = GradStore()
         # The summed, unclipped gradient of a privacy unit spanning chunks (add_to_unit).
         self._open_unit: dict[str, Tensor] | None = None
         # State written by a training forward carries its records into later steps
@@ -275,9 +238,8 @@ class ClippingEngine:
             for name, m in model.named_modules()
             if isinstance(m, nn.modules.batchnorm._BatchNorm)
         ]
-        # A leaf per device that inputs needing no gradient of streamable modules are tied
-        # to (_Tap), and the other leaves the last losses' graph reaches (_live_calls).
-        self._anchors: dict[torch.device, Tensor] = {}
+        # The leaves the last losses' graph reaches other than the clipped parameters
+        # (_live_calls): the backward requests them so that streamed modules' nodes run.
         self._leaves: list = []
         for use in self._uses.values():
             if use.rule.forward_pre_hook is not None:
@@ -286,18 +248,17 @@ class ClippingEngine:
                         use.rule.forward_pre_hook, with_kwargs=True
                     )
                 )
-            if use in self._streamable:
-                self._handles.append(
-                    use.module.register_forward_pre_hook(self._make_tap(use), with_kwargs=True)
-                )
+            if use in self._streaming.streamable:
+                tap = self._streaming.tap(use, self._recording)
+                self._handles.append(use.module.register_forward_pre_hook(tap, with_kwargs=True))
             self._handles.append(
                 use.module.register_forward_hook(self._make_hook(use), with_kwargs=True)
             )
 
     # -- set-up: which parameters, which rules ------------------------------------------
 
-    def _plan(self, model: nn.Module) -> dict[nn.Module, _Use]:
-        uses: dict[nn.Module, _Use] = {}
+    def _plan(self, model: nn.Module) -> dict[nn.Module, Use]:
+        uses: dict[nn.Module, Use] = {}
         covered: set[int] = set()
         in_subtree: set[int] = set()  # modules whose parameters an ancestor's rule covers
         reasons = []
@@ -311,7 +272,7 @@ class ClippingEngine:
             if why is not None:
                 reasons.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
             else:
-                uses[module] = _Use(name, module, rule)
+                uses[module] = Use(name, module, rule)
 
         # Written rules first (parents before children, so a rule that covers its
         # submodules' parameters is seen before them) ...
@@ -363,9 +324,9 @@ class ClippingEngine:
             )
         return uses
 
-    def _group_params(self) -> dict[str, list[tuple[_Use, str]]]:
+    def _group_params(self) -> dict[str, list[tuple[Use, str]]]:
         """Parameter name -> its uses [(module use, attribute)]; shared parameters have several."""
-        by_param: dict[int, list[tuple[_Use, str]]] = defaultdict(list)
+        by_param: dict[int, list[tuple[Use, str]]] = defaultdict(list)
         names: dict[int, str] = {}
         for use in self._uses.values():
             for attr in use.rule.param_names:
@@ -394,7 +355,7 @@ class ClippingEngine:
         return dict(given)
 
     @staticmethod
-    def _group_of(param_name: str, uses: list[tuple[_Use, str]]) -> str:
+    def _group_of(param_name: str, uses: list[tuple[Use, str]]) -> str:
         """Per-layer clipping group: the module, or the parameter itself when shared."""
         return uses[0][0].name if len(uses) == 1 else param_name
 
@@ -410,7 +371,7 @@ class ClippingEngine:
     # -- hooks ----------------------------------------------------------------------------
 
     def _root_pre_hook(self, module, args, kwargs):
-        if _in_backward() or self._probe is not None:
+        if in_backward() or self._probe is not None:
             # activation checkpointing re-runs a forward inside the backward; the
             # independence check re-runs the model (independence.py)
             return
@@ -418,14 +379,17 @@ class ClippingEngine:
             self._state.snapshot() if torch.is_grad_enabled() and not self._replaying else None
         )
         self._batch_shape = _batch_shape_of(args, kwargs)
-        self._root_inputs = _detached((args, kwargs))
+        self._root_inputs = detached((args, kwargs))
+        self._autocast_copies.clear()
         # The random state this forward starts from: the independence check's re-runs
         # start from it too, so they draw what this forward drew (dropout masks, branches).
         self._root_random_state = independence.random_state(self.model)
 
     def _root_hook(self, module, args, kwargs, output):
+        # the float32 inputs the copies were made from may go now
+        self._autocast_copies.clear()
         before, self._state_before = self._state_before, None
-        if before is None or _in_backward() or self._probe is not None or self._replaying:
+        if before is None or in_backward() or self._probe is not None or self._replaying:
             return None
         written = self._state.written(before)
         if written:
@@ -436,7 +400,7 @@ class ClippingEngine:
 
     def _make_batch_norm_check(self, name: str):
         def check(module, args):
-            if _in_backward() or self._replaying or self._probe is not None:
+            if in_backward() or self._replaying or self._probe is not None:
                 return None
             # Also under no_grad inside a training forward (a frozen front end): batch
             # statistics mix the examples' inputs to the modules after it.
@@ -448,15 +412,15 @@ class ClippingEngine:
 
         return check
 
-    def _make_hook(self, use: _Use):
+    def _make_hook(self, use: Use):
         def hook(module, args, kwargs, output):
             # A forward re-run inside a backward (activation checkpointing recomputes a
             # block's activations) is not a new call: recording it would count it twice.
-            if _in_backward() or self._replaying:
+            if in_backward() or self._replaying:
                 return None
             if self._probe is None and not torch.is_grad_enabled():
                 return None
-            inputs = _tensor_inputs(args, kwargs)
+            inputs = tensor_inputs(args, kwargs)
             if self._probe is not None:  # a re-run for the independence check: inputs only
                 if inputs:
                     summary = independence.summary(inputs[0], self._probe_pool)
@@ -509,9 +473,11 @@ class ClippingEngine:
             else:
                 edge = get_gradient_edge(output)
                 out_shape = tuple(output.shape)
+            if getattr(use.rule, "low_precision_records", False) and edge_node is None:
+                a = self._autocast_copies.of(a)
             call_index = len(use.calls)
             use.calls.append(
-                _Call(
+                Call(
                     index=call_index,
                     a=a.detach(),
                     edge=edge,
@@ -522,14 +488,14 @@ class ClippingEngine:
                     # reads the examples' rows where it is broadcast (shared_table.py)
                     shared=isinstance(use.rule, EmbeddingRule)
                     and shared_table.looks_shared(tuple(a.shape), out_shape),
-                    low_precision=_low_precision(a, output),
+                    low_precision=low_precision(a, output),
                 )
             )
             return None
 
         return hook
 
-    def _record_replayed(self, use: _Use, module, args, kwargs, y: Tensor, inputs) -> None:
+    def _record_replayed(self, use: Use, module, args, kwargs, y: Tensor, inputs) -> None:
         """Record a call of a module whose rule replays it (replay.py): all its inputs."""
         try:
             bd = use.rule.batch_dim(module, args, kwargs)
@@ -537,19 +503,19 @@ class ClippingEngine:
             raise UnsupportedModelError(f"module {use.name} ({type(module).__name__}): {e}") from e
         a = inputs[0] if inputs else y.new_zeros(y.shape[bd])
         use.calls.append(
-            _Call(
+            Call(
                 index=len(use.calls),
                 a=a.detach().movedim(bd, 0) if a.dim() > bd else a.detach(),
                 edge=get_gradient_edge(y),
                 out_shape=tuple(y.movedim(bd, 0).shape),
                 in_nodes=[grad_node(t) for t in inputs],
                 batch_dim=bd,
-                inputs=_detached((args, kwargs)),
-                low_precision=_low_precision(a, y),
+                inputs=detached((args, kwargs)),
+                low_precision=low_precision(a, y),
             )
         )
 
-    def _probe_inputs(self, args: tuple, kwargs: dict) -> dict[_Use, list]:
+    def _probe_inputs(self, args: tuple, kwargs: dict) -> dict[Use, list]:
         """Run the model on (args, kwargs) without gradients; a summary of each clipped
         module's first input per call (independence.summary). What the last forward
         recorded is left as it was."""
@@ -574,8 +540,28 @@ class ClippingEngine:
         """Forget what the last forward recorded."""
         for use in self._uses.values():
             use.calls.clear()
-        self._per_example = {}
+        self._autocast_copies.clear()
+        self._norms_sums.clear()
         self._leaves = []  # their nodes hold the leaves (an input that needs a gradient)
+
+    def _recording(self) -> bool:
+        """Whether the running forward is one the engine records: with gradients, and not a
+        recomputation inside a backward, a rule's replay or an independence re-run."""
+        return (
+            torch.is_grad_enabled()
+            and not in_backward()
+            and not self._replaying
+            and self._probe is None
+        )
+
+    @contextmanager
+    def _replaying_calls(self) -> Iterator[None]:
+        """While a replaying rule re-runs its module: those forwards are not new calls."""
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
 
     # -- the clipped backward -------------------------------------------------------------
 
@@ -630,15 +616,23 @@ class ClippingEngine:
                 or any(c.low_precision for _, c in calls)
                 or any(p.dtype in LOW_PRECISION for p in self.parameters())
             )
-            streamed = {u for u in active if self._streams(u, live[u], b)}
+            streamed = {u for u in active if self._streaming.streams(u, live[u], b)}
             self.streamed = tuple(u.name for u in active if u in streamed)
             # On a checked chunk the self-check compares each streamed call's per-example
             # gradients with those of its re-weighted backward: kept per call until then.
-            parts: dict[_Call, tuple | None] | None = {} if check else None
-            grads = self._output_gradients(
-                losses, calls, streamed, b, retain=check or not self._sum_from_records, parts=parts
+            parts: dict[Call, tuple | None] | None = {} if check else None
+            grads = self._streaming.output_gradients(
+                losses,
+                calls,
+                streamed,
+                b,
+                self._leaves,
+                retain=check or not self._sum_from_records,
+                parts=parts,
             )
-            records = self._records(active, live, grads, b)
+            records, self._norms_sums.views = build_records(
+                active, live, grads, b, self._replaying_calls
+            )
             if check:
                 self_check.run(_CheckView(self), losses, calls, grads, records, parts)
                 self._rows.checked(new_patterns)
@@ -648,12 +642,12 @@ class ClippingEngine:
             if index is not None:  # one row per unit from here on (units.py)
                 records = self._regrouped(records, index)
                 # streamed modules' per-example gradients, formed already: summed per unit
-                self._per_example = _per_unit(self._per_example, index)
+                self._norms_sums.per_example = _per_unit(self._norms_sums.per_example, index)
                 b = index.num_units
         except BaseException:
             self.clear()
             raise
-        norms_sq = self._norms_sq(records)
+        norms_sq = self._norms_sums.norms_sq(records, keep=self._sum_from_records)
         if self.clipping == "per_layer":
             factors, total = self._per_layer_factors(norms_sq, threshold)
         else:
@@ -684,14 +678,15 @@ class ClippingEngine:
             return flat_factors(norms, threshold)
         return automatic_factors(norms, threshold, self.gamma * loss_scale)
 
-    def _regrouped(self, records, index: UnitIndex) -> dict[_Use, tuple[Tensor, Tensor]]:
+    def _regrouped(self, records, index: UnitIndex) -> dict[Use, tuple[Tensor, Tensor]]:
         """The records with one row per unit: its examples' tokens concatenated (units.py)."""
         out = {}
         for use, (a, g) in records.items():
-            if getattr(use.rule, "raw_layout", False) and use not in self._views:
+            views = self._norms_sums.views
+            if getattr(use.rule, "raw_layout", False) and use not in views:
                 # channels-first (B, C, *spatial): unfold to (B, L, d) tokens first
                 a, g = use.rule.unfold(use.module, a, g)
-                self._views[use] = use.rule.unfolded_view()
+                views[use] = use.rule.unfolded_view()
             out[use] = (index.regroup(a), index.regroup(g))
         return out
 
@@ -742,13 +737,13 @@ class ClippingEngine:
             total = torch.stack(list(norms_sq.values())).sum(0).sqrt()
             factors = self.clip_factors(total, loss_scale)
         for name, grad in held.items():
-            self._sums.add(self.parameter(name), grad * self._factor_for(name, factors))
+            self._store.add(self.parameter(name), grad * self._factor_for(name, factors))
         self._mark_grads()
         return ClipStats(total.detach() / loss_scale, factors.detach(), self.max_grad_norm)
 
     # -- which rows are examples ----------------------------------------------------------
 
-    def _live_calls(self, losses: Tensor) -> dict[_Use, list[_Call]]:
+    def _live_calls(self, losses: Tensor) -> dict[Use, list[Call]]:
         """The recorded calls the losses depend on, after checking every parameter use.
 
         One walk over the losses' autograd graph (:mod:`dptrain.clipping.graph_check`):
@@ -757,7 +752,7 @@ class ClippingEngine:
         gradients enabled, a forward whose losses were not passed) are ignored.
         """
         ids = {name: id(self.parameter(name)) for name in self._groups}
-        # (the other leaves are kept for _output_gradients, which may request them)
+        # (the other leaves are kept for the backward, which requests them: streaming.py)
         uses_of, reentrant, seen, self._leaves = parameter_uses([losses.grad_fn], set(ids.values()))
         if reentrant:
             raise UnsupportedModelError(
@@ -768,7 +763,7 @@ class ClippingEngine:
                 "for a Hugging Face model gradient_checkpointing_enable("
                 "gradient_checkpointing_kwargs={'use_reentrant': False})."
             )
-        live: dict[_Use, list[_Call]] = {}
+        live: dict[Use, list[Call]] = {}
         inside: dict[int, dict[int, object]] = {}  # nodes held: their ids stay theirs
         for use in self._uses.values():
             calls = [c for c in use.calls if id(c.edge.node) in seen]
@@ -804,21 +799,25 @@ class ClippingEngine:
     # -- p.grad is the engine's alone until the step --------------------------------------
 
     def _mark_grads(self) -> None:
-        self._sums.mark(self.parameters())
+        self._store.mark(self.parameters())
 
     def _check_untouched_grads(self) -> None:
         """Refuse a ``p.grad`` the engine did not write (a plain backward, a stale gradient)."""
         touched = [
             name
             for name in self._groups
-            if (p := self.parameter(name)).grad is not None and not self._sums.wrote(p)
+            if (p := self.parameter(name)).grad is not None and not self._store.wrote(p)
         ]
         if touched:
-            raise UnsupportedModelError(
+            raise UnclippedGradientError(
                 f"p.grad of {', '.join(touched)} holds a gradient the clipping engine did not "
                 "write (a loss.backward() outside the engine, or a gradient left from the last "
-                "step): it would reach the optimizer unclipped. Call optimizer.zero_grad() before "
-                "each logical batch and pass every loss through the engine."
+                "step): it would reach the optimizer unclipped. Instead of loss.backward(), pass "
+                "the per-example losses (reduction='none', one per record) to "
+                "private.backward(losses) (ClippingEngine.backward), e.g. "
+                "private.backward(F.cross_entropy(model(x), y, reduction='none')). Call "
+                "optimizer.zero_grad() before each logical batch and pass every loss through "
+                "the engine."
             )
 
     def check_gradients(self, params: list[nn.Parameter] | None = None) -> None:
@@ -855,313 +854,6 @@ class ClippingEngine:
 
     # -- per-example gradients formed during the backward (streamed modules) -------------
 
-    def _streamable_uses(self) -> set[_Use]:
-        """Modules whose per-example gradients may be formed during the backward: a written
-        rule that reads rows of (a, g) with ``a`` the module's first argument and g its
-        output's gradient (not a replay, a raw channels-first layout, a lookup read from
-        the graph or a rule that changes the call), and parameters of their own (a shared
-        or tied one needs every use's record together)."""
-        shared = {id(self.parameter(n)) for n, uses in self._groups.items() if len(uses) > 1}
-        return {
-            u
-            for u in self._uses.values()
-            if not getattr(u.rule, "replays", False)
-            and not getattr(u.rule, "raw_layout", False)
-            and not getattr(u.rule, "lookup_from_graph", False)
-            and u.rule.forward_pre_hook is None
-            and type(u.rule).recorded_input is LayerRule.recorded_input
-            and _own_params(u)
-            and not any(id(p) in shared for p in _own_params(u))
-        }
-
-    def _make_tap(self, use: _Use):
-        """A forward pre-hook that ties the module's input to the engine's anchor where the
-        input needs no gradient (LoRA's lowest lora_A, a first layer): a streamed call's
-        output node runs only if autograd has a requested input below it, and there is
-        none below such a call otherwise (_output_gradients). Other inputs are left alone:
-        the graph below them reaches a requested input already, and a Python node on the
-        residual stream of every layer perturbs glibc's heap (+120-150 MB resident for
-        SmolLM2 full fine-tuning, with the same bytes allocated)."""
-
-        def tap(module, args, kwargs):
-            # As the forward hook: not in a recomputation, a replay or a re-run without grad.
-            if _in_backward() or self._replaying or self._probe is not None:
-                return None
-            if not torch.is_grad_enabled() or not args or not isinstance(args[0], Tensor):
-                return None
-            x = args[0]
-            if x.requires_grad or not x.is_floating_point() or not _own_params(use):
-                return None
-            anchor = self._anchors.get(x.device)
-            if anchor is None:
-                anchor = self._anchors[x.device] = torch.zeros((), device=x.device).requires_grad_()
-            return (_Tap.apply(x, anchor), *args[1:]), kwargs
-
-        return tap
-
-    def _streams(self, use: _Use, calls: list[_Call], b: int) -> bool:
-        """Whether ``use``'s per-example gradients are formed as its output gradients arrive.
-
-        Yes where the engine instantiates them anyway (not ghost-normed) and they are
-        smaller than the record they replace: b * numel(parameters) < numel(a) + numel(g)
-        (LoRA's lora_A / lora_B with r << T, norm layers' d-vectors). Book-keeping keeps
-        them until the clip factors are known in either case; streaming lets a and g go
-        during the backward instead of holding both until its end.
-        """
-        if use not in self._streamable or b == 0:
-            return False
-        # the same shapes give the same answer (about 0.25 ms a module to work out)
-        key = (use, b, tuple((c.a_shape, c.out_shape) for c in calls))
-        if key not in self._stream_choices:
-            self._stream_choices[key] = self._streams_for_shapes(use, calls, b)
-        return self._stream_choices[key]
-
-    def _streams_for_shapes(self, use: _Use, calls: list[_Call], b: int) -> bool:
-        # The record _records would build, as shapes only (meta tensors: no memory, no data).
-        parts = [
-            _example_rows(use, c.a.to("meta"), torch.empty(c.out_shape, device="meta"), b)
-            for c in calls
-        ]
-        a = torch.cat([p[0] for p in parts], 1)
-        g = torch.cat([p[1] for p in parts], 1)
-        if self._ghost(use, a, g):
-            return False
-        return b * sum(p.numel() for p in _own_params(use)) < a.numel() + g.numel()
-
-    def _output_gradients(
-        self,
-        losses: Tensor,
-        calls: list[tuple[_Use, _Call]],
-        streamed: set[_Use],
-        b: int,
-        *,
-        retain: bool,
-        parts: dict | None,
-    ) -> tuple:
-        """One backward of sum_i L_i: each call's output gradient g, examples first, or None
-        for the calls of ``streamed`` modules.
-
-        The output gradients of the other calls are captured (autograd hands them all
-        back at the end). For a streamed module, a pre-hook on its output's node forms
-        the per-example gradients from (a, g) the moment g exists, into
-        ``self._per_example``, and lets g (and the recorded input) go, as a non-private
-        backward would. Autograd runs only the nodes on a path to a requested input, so
-        the leaves the graph reaches other than the clipped parameters are requested too:
-        the engine's anchors (_make_tap; they get no gradient) and any input that needs a
-        gradient (HF's enable_input_require_grads), whose gradients are dropped. Below a
-        streamed call lies one of them or a captured call; the missed check makes sure.
-        (Requesting the streamed modules' parameters would run the nodes too, but hand
-        their summed gradients to any hook on them, and keeping those small gradients
-        while a retained graph holds every activation fragments the heap: +280 MB
-        resident for SmolLM2 LoRA on the checked chunk, with glibc.)
-        ``parts``: a dict on a checked chunk, which then gets each streamed call's
-        (per-example gradients, g's dtype, g's device), or None where g was None (for
-        the self-check's completeness test and tolerances, self_check.py).
-        """
-        wanted = [c.edge for u, c in calls if u not in streamed]
-        if streamed:
-            wanted += [GradientEdge(node, 0) for node in self._leaves]
-        by_node: dict[int, tuple] = {}
-        for u, c in calls:
-            if u in streamed:
-                by_node.setdefault(id(c.edge.node), (c.edge.node, []))[1].append((u, c))
-        slots = _Slots([u for u in dict.fromkeys(u for u, _ in calls) if u in streamed], b)
-        fired: set[_Call] = set()
-
-        def stream(node_calls):
-            def hook(grad_outputs):
-                for u, c in node_calls:
-                    fired.add(c)
-                    self._stream(u, c, grad_outputs[c.edge.output_nr], b, parts, slots)
-
-            return hook
-
-        handles = [node.register_prehook(stream(cs)) for node, cs in by_node.values()]
-        try:
-            got = torch.autograd.grad(losses.sum(), wanted, allow_unused=True, retain_graph=retain)
-        finally:
-            for h in handles:
-                h.remove()
-        # Every streamed call lies on the losses' graph with a requested input below it, so
-        # autograd ran its node; one it did not would lose that gradient without a sign.
-        missed = [u.name for u, c in calls if u in streamed and c not in fired]
-        if missed:
-            raise UnsupportedModelError(
-                f"no output gradient reached {', '.join(sorted(set(missed)))} during the "
-                "backward, though the losses depend on it: its per-example gradients could "
-                "not be formed"
-            )
-        got = iter(got)
-        grads = tuple(None if u in streamed else next(got) for u, _ in calls)
-        return _examples_first([c for _, c in calls], grads)
-
-    def _stream(self, use: _Use, call: _Call, g: Tensor | None, b: int, parts, slots) -> None:
-        """Form ``call``'s per-example gradients from (a, g) and add them to the module's
-        (in ``slots``, one buffer for all streamed modules)."""
-        if g is None:  # this call did not reach the loss
-            if parts is not None:
-                parts[call] = None
-            return
-        grads = self._call_per_example(use, call, g, b)
-        acc = self._per_example.get(use)
-        if acc is None:
-            grads = self._per_example[use] = slots.hold(use, grads)
-        elif parts is None:
-            for k, v in grads.items():
-                acc[k].add_(v)
-        else:  # out of place: a checked call's own part stays as it was (parts)
-            self._per_example[use] = {k: acc[k] + v for k, v in grads.items()}
-        if parts is not None:
-            parts[call] = (grads, g.dtype, g.device)
-        call.a = None  # its last reader: the input goes when autograd frees it
-
-    def _call_per_example(self, use: _Use, call: _Call, g: Tensor, b: int) -> dict[str, Tensor]:
-        """One call's per-example gradients {name: (b, *shape)} from its input and ``g``."""
-        a, g = _example_rows(use, call.a, g, b)
-        return use.rule.per_example(use.module, a, g)
-
-    def _recorded(self, use: _Use, records: dict) -> bool:
-        """Whether ``use`` has this backward's record or its per-example gradients."""
-        return use in records or use in self._per_example
-
-    def _records(
-        self, active: list[_Use], live: dict[_Use, list[_Call]], grads: tuple, b: int
-    ) -> dict[_Use, tuple[Tensor, Tensor]]:
-        """(a, g) per module, example rows first, calls concatenated along tokens (float32/64);
-        none for streamed modules (their g is None)."""
-        records = {}
-        self._views = {}
-        i = 0
-        for use in active:
-            if getattr(use.rule, "replays", False):
-                calls = [(*c.inputs, grads[i + j]) for j, c in enumerate(live[use])]
-                i += len(calls)
-                calls = [c for c in calls if c[2] is not None]
-                if calls:
-                    self._replaying = True
-                    try:
-                        flat = use.rule.replay(use.module, calls, b)
-                    finally:
-                        self._replaying = False
-                    flat = upcast(flat)
-                    records[use] = (flat[:, None, :], flat.new_ones(b, 1, 1))
-                continue
-            raw = getattr(use.rule, "raw_layout", False)
-            a_parts, g_parts = [], []
-            for call in live[use]:
-                g = grads[i]
-                i += 1
-                if g is None:  # this call did not reach the loss
-                    continue
-                a = call.a
-                if raw:  # channels-first: (B, C, *spatial) as the module saw it
-                    a_parts.append(upcast(a))
-                    g_parts.append(upcast(g))
-                    continue
-                a, g = _example_rows(use, a, g, b)
-                a_parts.append(a)
-                g_parts.append(g)
-            if len(a_parts) == 1:  # the usual case: no copy
-                records[use] = (a_parts[0], g_parts[0])
-            elif a_parts and raw:
-                # Dim 1 of a raw record is channels: unfold each call to (B, L, d) first,
-                # then positions concatenate as tokens do (conv_rules, "Several calls").
-                pairs = zip(a_parts, g_parts, strict=True)
-                unfolded = [use.rule.unfold(use.module, a, g) for a, g in pairs]
-                records[use] = tuple(torch.cat(parts, 1) for parts in zip(*unfolded, strict=True))
-                self._views[use] = use.rule.unfolded_view()
-            elif a_parts:
-                records[use] = (torch.cat(a_parts, 1), torch.cat(g_parts, 1))
-        return records
-
-    def _rule(self, use: _Use) -> LayerRule:
-        """The rule that reads ``use``'s record: its own, or an unfolded view of it."""
-        return self._views.get(use, use.rule)
-
-    def _ghost(self, use: _Use, a: Tensor, g: Tensor) -> bool:
-        rule = self._rule(use)
-        if rule.norm_choice != "either":
-            return rule.norm_choice == "ghost"
-        if self.norm_method != "auto":
-            return self.norm_method == "ghost"
-        return rule.ghost_is_cheaper(use.module, a, g)
-
-    def _module_norms_sq(self, use: _Use, a: Tensor, g: Tensor) -> dict[str, Tensor]:
-        if self._ghost(use, a, g):
-            return self._rule(use).norms_sq(use.module, a, g, True)
-        per_example = self._rule(use).per_example(use.module, a, g)
-        if self._sum_from_records:  # reused for the clipped sum
-            self._per_example[use] = per_example
-        return _squared_norms(per_example)
-
-    def _norms_sq(self, records: dict[_Use, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
-        """Parameter name -> (B,) squared per-example gradient norms."""
-        # The streamed modules' per-example gradients exist already (no record).
-        per_module = {u: _squared_norms(grads) for u, grads in self._per_example.items()}
-        if not self._sum_from_records:  # the second backward forms the sum: norms suffice
-            self._per_example = {}
-        # A module whose every parameter is a tied weight (a tied head, the embedding) gets
-        # its norm from _tied_norm_sq alone: its own would be computed and discarded.
-        tied_only = {
-            u
-            for u in records
-            if all(
-                _is_tied(self._groups[n])
-                for n, uses in self._groups.items()
-                if any(v is u for v, _ in uses)
-            )
-        }
-        with gram_cache():
-            for use, (a, g) in records.items():
-                if use not in tied_only:
-                    per_module[use] = self._module_norms_sq(use, a, g)
-        out = {}
-        for name, uses in self._groups.items():
-            present = [(u, attr) for u, attr in uses if u in records or u in per_module]
-            if not present:
-                continue
-            if len(uses) == 1:
-                u, attr = present[0]
-                out[name] = per_module[u][attr]
-            elif _is_tied(uses):
-                out[name] = self._tied_norm_sq(present, records)
-            else:
-                out[name] = self._shared_per_example(present, records).flatten(1).pow(2).sum(1)
-        return out
-
-    @staticmethod
-    def _tied_norm_sq(present, records) -> Tensor:
-        """||sum_k X_k^T G_k + sum_l G_out,l^T H_l||^2: phantom clipping (DESIGN.md).
-
-        The embedding uses (lookups) are concatenated along tokens, as are the
-        linear uses (output layers): both gradients are sums over tokens. Then
-        ||X^T G_in||^2 + ||G_out^T H||^2 + 2 <X^T G_in, G_out^T H>; adding the two
-        ghost norms alone would drop the cross term and be wrong.
-        """
-        embs = [u for u, _ in present if isinstance(u.rule, EmbeddingRule)]
-        lins = [u for u, _ in present if not isinstance(u.rule, EmbeddingRule)]
-        total = 0
-        if embs:
-            x = _cat([records[u][0] for u in embs])
-            g_in = _cat([u.rule._masked(u.module, *records[u]) for u in embs])  # type: ignore[attr-defined]
-            total = total + embedding_ghost_norm(x, g_in)
-        if lins:
-            h = _cat([records[u][0] for u in lins])
-            g_out = _cat([records[u][1] for u in lins])  # (a copy of a 49,152-wide head: avoid)
-            total = total + gram_inner(h, g_out)
-        if embs and lins:
-            total = total + 2 * phantom_cross_term(x, g_in, h, g_out)
-        return total
-
-    def _shared_per_example(self, present, records) -> Tensor:
-        """Sum over uses of the per-example gradients of one shared parameter."""
-        total = None
-        for u, attr in present:
-            a, g = records[u]
-            part = self._rule(u).per_example(u.module, a, g)[attr]
-            total = part if total is None else total + part
-        return total
-
     def _per_layer_factors(self, norms_sq: dict[str, Tensor], threshold: float):
         scale = threshold / self.max_grad_norm
         group_sq: dict[str, Tensor] = {}
@@ -1182,62 +874,12 @@ class ClippingEngine:
             return self._group_factors[self._group_of(name, self._groups[name])]
         return factors
 
-    def _drain_weighted_sums(self, records, factor_of):
-        """Yield (parameter name, sum_i c_i grad_i), one parameter at a time, from the
-        stored (a, g); ``factor_of(name)`` -> c.
-
-        Consumes ``records``: a module's record (with its recorded calls and per-example
-        gradients) is dropped as soon as every parameter that reads it has its sum, so
-        book-keeping never holds all records and all sums at once.
-        """
-        pending: dict[_Use, int] = defaultdict(int)
-        for uses in self._groups.values():
-            for u, _ in uses:
-                if self._recorded(u, records):
-                    pending[u] += 1
-        # rule.clipped_sum gives all of a module's parameters at once; kept per factor
-        # tensor, since per-layer clipping may give a module's parameters different ones
-        sums: dict[tuple[_Use, int], dict[str, Tensor]] = {}
-        for name, uses in self._groups.items():
-            present = [(u, attr) for u, attr in uses if self._recorded(u, records)]
-            if not present:
-                continue
-            grad = self._weighted_sum_of(name, present, records, factor_of(name), sums)
-            yield name, grad
-            del grad
-            for u, _ in present:
-                pending[u] -= 1
-                if pending[u] == 0:
-                    records.pop(u, None)
-                    self._per_example.pop(u, None)
-                    u.calls.clear()
-                    for key in [k for k in sums if k[0] is u]:
-                        del sums[key]
-
-    def _weighted_sum_of(self, name, present, records, c: Tensor, sums: dict) -> Tensor:
-        """sum_i c_i grad_i of one parameter from its uses' records (``sums``: a cache of
-        the rules' whole-module sums, keyed by (use, id(c)))."""
-        if len(self._groups[name]) > 1 and not _is_tied(self._groups[name]):
-            return weighted_sum({name: self._shared_per_example(present, records)}, c)[name]
-        grad = None
-        for u, attr in present:
-            if u in self._per_example:
-                part = weighted_sum({attr: self._per_example[u][attr]}, c)[attr]
-            else:
-                key = (u, id(c))
-                if key not in sums:
-                    a, g = records[u]
-                    sums[key] = self._rule(u).clipped_sum(u.module, a, g, c)
-                part = sums[key][attr]
-            grad = part if grad is None else grad + part
-        return grad
-
     def _book_keeping(self, records, factors: Tensor) -> None:
         """sum_i c_i grad_i from the stored (a, g), added into ``p.grad`` one parameter at a
         time, each module's record freed once its parameters are done."""
-        sums = self._drain_weighted_sums(records, lambda name: self._factor_for(name, factors))
+        sums = self._norms_sums.drain(records, lambda name: self._factor_for(name, factors))
         for name, grad in sums:
-            self._sums.add(self.parameter(name), grad)
+            self._store.add(self.parameter(name), grad)
             del grad
 
     def clipped_sum(self, p: nn.Parameter) -> Tensor | None:
@@ -1249,7 +891,7 @@ class ClippingEngine:
         The float32 sum is returned only while ``p.grad`` is the copy the engine wrote
         (same tensor, same version); otherwise it is dropped and ``p.grad`` is returned.
         """
-        return self._sums.clipped_sum(p)
+        return self._store.clipped_sum(p)
 
     def parameter(self, name: str) -> nn.Parameter:
         """The clipped parameter called ``name`` (see :attr:`parameter_names`)."""
@@ -1269,8 +911,7 @@ class _CheckView:
         self.sizes_by_data = engine._rows.sizes_by_data
 
     def reached(self, records: dict) -> list[str]:
-        e = self._engine
-        return [n for n in e._groups if any(e._recorded(u, records) for u, _ in e._groups[n])]
+        return self._engine._norms_sums.reached(records)
 
     def parameters_of(self, uses) -> list[str]:
         mine = {id(u) for u in uses}
@@ -1281,84 +922,17 @@ class _CheckView:
     def parameter(self, name: str) -> nn.Parameter:
         return self._engine.parameter(name)
 
-    def owners(self, name: str) -> list[_Use]:
+    def owners(self, name: str) -> list[Use]:
         return [u for u, _ in self._engine._groups[name]]
 
     def weighted_sum(self, name: str, records: dict, weights: Tensor, cache: dict):
-        e = self._engine
-        present = [(u, attr) for u, attr in e._groups[name] if e._recorded(u, records)]
-        return e._weighted_sum_of(name, present, records, weights, cache)
+        return self._engine._norms_sums.weighted_sum(name, records, weights, cache)
 
     def probe(self, args: tuple, kwargs: dict) -> dict:
         return self._engine._probe_inputs(args, kwargs)
 
 
-class _Slots:
-    """One buffer for the per-example gradients of every streamed module of a backward.
-
-    They are formed one module at a time while the backward runs and kept until its
-    end. As separate tensors, these hundreds of small allocations, made while a retained
-    graph (the checked chunk) holds every activation, land above each layer's freed
-    temporaries and pin them: glibc's heap then grew by about 260 MB over SmolLM2 LoRA's
-    30 layers (resident memory that is never returned), against none with one buffer.
-    It is allocated at the first module's gradients, after the loss's own backward (the
-    step's peak) has passed; each module's are copied into their slot, so nothing keeps
-    a temporary (or a view of g) alive.
-    """
-
-    def __init__(self, uses: list[_Use], b: int):
-        self.b = b
-        self.slots: dict[tuple[_Use, str], tuple[int, int]] = {}  # (offset, numel)
-        self.numel = 0
-        for use in uses:
-            for name in use.rule.param_names:
-                p = _param(use.module, name)
-                if _trainable(p):
-                    self.slots[(use, name)] = (self.numel, b * p.numel())
-                    self.numel += b * p.numel()
-        self.buffer: Tensor | None = None
-
-    def hold(self, use: _Use, grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``grads`` copied into ``use``'s slots (a copy of its own where one does not fit)."""
-        out = {}
-        for name, v in grads.items():
-            if self.buffer is None:
-                self.buffer = v.new_empty(self.numel)
-            at, n = self.slots.get((use, name), (0, -1))
-            if n != v.numel() or v.dtype != self.buffer.dtype or v.device != self.buffer.device:
-                out[name] = v.clone()
-                continue
-            out[name] = self.buffer[at : at + n].view(v.shape)
-            out[name].copy_(v)
-        return out
-
-
-class _Tap(torch.autograd.Function):
-    """Identity on a streamable module's input x that also leads to the engine's anchor,
-    a leaf: requesting the anchor's gradient makes autograd run the module's nodes, so
-    the engine's pre-hook on its output node sees g, while nothing else is requested or
-    kept. The anchor gets no gradient (None), and x's gradient passes through unchanged.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, anchor: Tensor) -> Tensor:
-        ctx.set_materialize_grads(False)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor | None):
-        return (grad if ctx.needs_input_grad[0] else None), None
-
-
-def _example_rows(use: _Use, a: Tensor, g: Tensor, b: int) -> tuple[Tensor, Tensor]:
-    """One call's (a, g) as its rule reads them: (b, T, ...) example rows, float32/64."""
-    if a.shape[0] != b:  # blocks: (b * k, ...) rows, example-major
-        a = a.reshape(b, -1, *a.shape[1:])
-    a = use.rule.prepare(use.module, a)
-    return upcast(a), upcast(g).reshape(b, a.shape[1], -1)
-
-
-def _per_unit(per_example: dict[_Use, dict[str, Tensor]], index: UnitIndex) -> dict:
+def _per_unit(per_example: dict[Use, dict[str, Tensor]], index: UnitIndex) -> dict:
     """Per-example gradients {name: (B, *shape)} per module summed over each unit's
     examples, {name: (U, *shape)}: a unit's gradient is the sum of its examples'."""
     if index.trivial:
@@ -1370,51 +944,6 @@ def _per_unit(per_example: dict[_Use, dict[str, Tensor]], index: UnitIndex) -> d
             inverse = index.inverse.to(v.device)
             out[use][name] = v.new_zeros((index.num_units, *v.shape[1:])).index_add_(0, inverse, v)
     return out
-
-
-def _own_params(use: _Use) -> list[nn.Parameter]:
-    """The trainable parameters ``use``'s rule covers."""
-    params = (_param(use.module, n) for n in use.rule.param_names)
-    return [p for p in params if _trainable(p)]
-
-
-def _squared_norms(per_example: dict[str, Tensor]) -> dict[str, Tensor]:
-    """{name: (B,) squared norms} of per-example gradients {name: (B, *shape)}."""
-    return {k: v.flatten(1).pow(2).sum(1) for k, v in per_example.items()}
-
-
-def _cat(parts: list[Tensor]) -> Tensor:
-    """Concatenation along tokens; one part is returned as it is (no copy)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-
-
-def _is_tied(uses: list[tuple[_Use, str]]) -> bool:
-    """An embedding weight shared by lookups and output layers (tied LM heads, T5, BART)."""
-    # Exact LinearRule: Conv1D (a LinearRule subclass) stores its weight transposed.
-    return (
-        len(uses) >= 2
-        and all(attr == "weight" for _, attr in uses)
-        and all(isinstance(u.rule, EmbeddingRule) or type(u.rule) is LinearRule for u, _ in uses)
-        and any(isinstance(u.rule, EmbeddingRule) for u, _ in uses)
-    )
-
-
-def _examples_first(calls: list[_Call], grads: tuple) -> tuple:
-    """Output gradients with each call's examples along dimension 0."""
-    return tuple(
-        g.movedim(c.batch_dim, 0) if g is not None and c.batch_dim else g
-        for c, g in zip(calls, grads, strict=True)
-    )
-
-
-def _tensor_inputs(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The tensors among a call's arguments, nested containers included, in order."""
-    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-
-
-def _detached(tree):
-    """``tree`` with every tensor detached (a replay's inputs, without their graph)."""
-    return tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, tree)
 
 
 def _lookup_node(output: Tensor, weight: Tensor, stop_nodes: list):
@@ -1433,25 +962,6 @@ def _lookup_node(output: Tensor, weight: Tensor, stop_nodes: list):
             return node
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return None
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward now (e.g. a checkpointed block's recomputation)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _low_precision(a: Tensor, output: Tensor) -> bool:
-    """Whether a call computed in float16/bfloat16: under autocast, or on such tensors."""
-    return (
-        torch.is_autocast_enabled(output.device.type)
-        or a.dtype in LOW_PRECISION
-        or output.dtype in LOW_PRECISION
-    )
-
-
-def upcast(t: Tensor) -> Tensor:
-    """float16/bfloat16 -> float32; other dtypes unchanged (norms and sums need the range)."""
-    return t.float() if t.dtype in LOW_PRECISION else t
 
 
 _BATCH_KEYS = ("input_ids", "inputs_embeds", "input", "x", "idx")

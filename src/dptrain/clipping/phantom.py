@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from dptrain.clipping.tensor_cores import bmm_f32
+
 __all__ = ["phantom_cross_term"]
 
 
@@ -31,6 +33,7 @@ def phantom_cross_term(x: Tensor, g_in: Tensor, h: Tensor, g_out: Tensor) -> Ten
         g_out: gradient w.r.t. the scores, (B, T', V).
     """
     t_out = h.shape[1]
-    inner = g_in @ h.transpose(1, 2)  # (B, T, T'): <G_in,t, H_s>
+    # float32 products of bf16 records (tensor_cores.py); G_out's picked entries upcast
+    inner = bmm_f32(g_in, h.transpose(1, 2))  # (B, T, T'): <G_in,t, H_s>
     picked = g_out.gather(2, x.unsqueeze(1).expand(-1, t_out, -1))  # (B, T', T): G_out[s, x_t]
-    return (inner * picked.transpose(1, 2)).sum((1, 2))
+    return (inner * picked.transpose(1, 2).to(inner.dtype)).sum((1, 2))

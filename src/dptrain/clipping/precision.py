@@ -20,9 +20,9 @@ import functools
 from collections.abc import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["tf32_in_use", "tolerance_dtype", "tolerance_dtypes"]
+__all__ = ["tf32_in_use", "tolerance_dtype", "tolerance_dtypes", "upcast"]
 
 
 def tf32_in_use(device: torch.device | str, model: nn.Module | None = None) -> bool:
@@ -57,3 +57,8 @@ def tolerance_dtypes(model: nn.Module) -> Callable[[torch.dtype, torch.device], 
         return tolerance_dtype(dtype, device, model)
 
     return of
+
+
+def upcast(t: Tensor) -> Tensor:
+    """float16/bfloat16 -> float32; other dtypes unchanged (norms and sums need the range)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dptrain.clipping.tensor_cores import LOW_PRECISION_RECORDS, bmm_f32, mm_f32, scaled_cross
+
 __all__ = [
     "RULES",
     "RULES_BY_NAME",
@@ -131,7 +133,7 @@ def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
     projections share one input, as do a gated MLP's gate and up projections.
     """
     if x.shape[1] == 1:  # ||x||^2 ||y||^2, no T x T matrices
-        return x.pow(2).sum((1, 2)) * y.pow(2).sum((1, 2))
+        return _up(x).pow(2).sum((1, 2)) * _up(y).pow(2).sum((1, 2))
     total = 0
     for (weight, gx), (_, gy) in zip(_gram_blocks_cached(x), _gram_blocks(y), strict=True):
         total = total + weight * (gx * gy).sum((1, 2))
@@ -140,16 +142,17 @@ def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
 
 def _gram_blocks(x: Tensor) -> list[tuple[int, Tensor]]:
     """[(weight, Gram block)]: x x^T whole below _HALF_GRAM_MIN_TOKENS tokens, else the
-    blocks 11, 22 (weight 1) and 12 (weight 2) of its 2 x 2 split along tokens."""
+    blocks 11, 22 (weight 1) and 12 (weight 2) of its 2 x 2 split along tokens; float32
+    (or float64) for a low-precision x (tensor_cores.py)."""
     t = x.shape[1]
     if t < _HALF_GRAM_MIN_TOKENS:
-        return [(1, torch.bmm(x, x.transpose(1, 2)))]
+        return [(1, bmm_f32(x, x.transpose(1, 2)))]
     h = t // 2
     x1, x2 = x[:, :h], x[:, h:]
     return [
-        (1, torch.bmm(x1, x1.transpose(1, 2))),
-        (1, torch.bmm(x2, x2.transpose(1, 2))),
-        (2, torch.bmm(x1, x2.transpose(1, 2))),
+        (1, bmm_f32(x1, x1.transpose(1, 2))),
+        (1, bmm_f32(x2, x2.transpose(1, 2))),
+        (2, bmm_f32(x1, x2.transpose(1, 2))),
     ]
 
 
@@ -187,11 +190,16 @@ gram_inner = _gram_inner
 
 
 class LinearRule(LayerRule):
-    """``nn.Linear``: y = a W^T + b, W (d_out, d_in); grad_W,i = g_i^T a_i."""
+    """``nn.Linear``: y = a W^T + b, W (d_out, d_in); grad_W,i = g_i^T a_i.
+
+    Reads bf16/fp16 records as they are: products with float32 accumulation and output,
+    on tensor cores on CUDA, and clipped sums scaled without rounding (tensor_cores.py).
+    """
 
     #: True for HF GPT-2's Conv1D, whose weight is stored transposed (d_in, d_out).
     transposed = False
     norm_choice = "either"
+    low_precision_records = True
 
     def ghost_is_cheaper(self, module: nn.Module, a: Tensor, g: Tensor) -> bool:
         """Li et al. 2022 (§4): ghost norm when 2 T^2 < d_in d_out (memory per example)."""
@@ -202,10 +210,10 @@ class LinearRule(LayerRule):
         a, g = _flatten_tokens(a), _flatten_tokens(g)
         out = {}
         if _trainable(module.weight):
-            w = torch.bmm(g.transpose(1, 2), a)  # (B, p, d); bmm: ~4x einsum's speed on CPU
+            w = bmm_f32(g.transpose(1, 2), a)  # (B, p, d); bmm: ~4x einsum's speed on CPU
             out["weight"] = w.transpose(1, 2) if self.transposed else w
         if _trainable(getattr(module, "bias", None)):
-            out["bias"] = g.sum(1)
+            out["bias"] = _up(g).sum(1)
         return out
 
     def norms_sq(self, module, a, g, ghost):
@@ -216,7 +224,7 @@ class LinearRule(LayerRule):
         if _trainable(module.weight):
             out["weight"] = _gram_inner(a, g)
         if _trainable(getattr(module, "bias", None)):
-            out["bias"] = g.sum(1).pow(2).sum(1)
+            out["bias"] = _up(g).sum(1).pow(2).sum(1)
         return out
 
     def clipped_sum(self, module, a, g, factors):
@@ -225,13 +233,17 @@ class LinearRule(LayerRule):
         if _trainable(module.weight):
             # sum_i c_i g_i^T a_i = g^T (c * a) = (c * g)^T a: scale the narrower operand
             # (for an LM head a is (B, T, d) and g (B, T, vocab)).
-            if a.shape[-1] <= g.shape[-1]:
-                w = g.flatten(0, 1).T @ _scale_rows(a, factors).flatten(0, 1)  # (p, d)
+            scale_a = a.shape[-1] <= g.shape[-1]
+            if a.dtype in LOW_PRECISION_RECORDS and a.dtype == g.dtype:
+                w = scaled_cross(g, a, factors, scale_x=not scale_a)  # (p, d), tensor_cores.py
+            elif scale_a:
+                w = mm_f32(g.flatten(0, 1).T, _scale_rows(_up(a), factors).flatten(0, 1))
             else:
-                w = _scale_rows(g, factors).flatten(0, 1).T @ a.flatten(0, 1)
+                w = mm_f32(_scale_rows(_up(g), factors).flatten(0, 1).T, a.flatten(0, 1))
             out["weight"] = w.T if self.transposed else w
         if _trainable(getattr(module, "bias", None)):
-            out["bias"] = torch.einsum("b,bp->p", factors.to(g.dtype), g.sum(1))
+            g_sum = _up(g).sum(1)
+            out["bias"] = torch.einsum("b,bp->p", factors.to(g_sum.dtype), g_sum)
         return out
 
 
@@ -261,7 +273,8 @@ class EmbeddingRule(LayerRule):
     def prepare(self, module, a):
         return a.reshape(a.shape[0], -1)  # ids (B, T)
 
-    def _masked(self, module, x: Tensor, g: Tensor) -> Tensor:
+    def masked(self, module, x: Tensor, g: Tensor) -> Tensor:
+        """``g`` as (B, T, d) with the rows of ``padding_idx`` tokens zeroed (no gradient)."""
         g = g.reshape(x.shape[0], x.shape[1], -1)
         if module.padding_idx is not None:
             g = g * (x != module.padding_idx).unsqueeze(-1).to(g.dtype)
@@ -270,7 +283,7 @@ class EmbeddingRule(LayerRule):
     def per_example(self, module, a, g):
         if not _trainable(module.weight):
             return {}
-        x, g = a, self._masked(module, a, g)
+        x, g = a, self.masked(module, a, g)
         b, _, d = g.shape
         out = torch.zeros(b, module.num_embeddings, d, dtype=g.dtype, device=g.device)
         out.scatter_add_(1, x.unsqueeze(-1).expand(-1, -1, d), g)
@@ -279,12 +292,12 @@ class EmbeddingRule(LayerRule):
     def norms_sq(self, module, a, g, ghost):
         if not _trainable(module.weight):
             return {}
-        return {"weight": embedding_ghost_norm(a, self._masked(module, a, g))}
+        return {"weight": embedding_ghost_norm(a, self.masked(module, a, g))}
 
     def clipped_sum(self, module, a, g, factors):
         if not _trainable(module.weight):
             return {}
-        x, g = a, self._masked(module, a, g)
+        x, g = a, self.masked(module, a, g)
         scaled = _scale_rows(g, factors).flatten(0, 1)
         out = torch.zeros(module.num_embeddings, g.shape[-1], dtype=g.dtype, device=g.device)
         out.index_add_(0, x.flatten(), scaled)
@@ -398,6 +411,11 @@ def embedding_ghost_norm(x: Tensor, g: Tensor) -> Tensor:
     """sum_{t,s: x_t = x_s} <g_t, g_s> per example: ||X^T g||^2 without the V x d matrix, (B,)."""
     same = (x.unsqueeze(2) == x.unsqueeze(1)).to(g.dtype)  # (B, T, T)
     return (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
+
+
+def _up(t: Tensor) -> Tensor:
+    """float32 for a bf16/fp16 tensor (sums and squares need the range and the bits)."""
+    return t.float() if t.dtype in LOW_PRECISION_RECORDS else t
 
 
 def _scale_rows(x: Tensor, factors: Tensor) -> Tensor:

@@ -87,6 +87,7 @@ __all__ = [
     "LM_SUFFIXES",
     "ON_TOO_LONG",
     "RECORD_FORMATS",
+    "SYSTEM_PROMPTS",
     "LMExamples",
     "LMRecord",
     "LMRecords",
@@ -96,6 +97,7 @@ __all__ = [
     "lm_records_from_rows",
     "prompt_ids",
     "read_lm_records",
+    "render_chat",
     "split_by_group",
     "split_lm_records",
     "tokenize_lm_records",
@@ -115,6 +117,11 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 ON_TOO_LONG = ("truncate", "drop", "error")
 #: File suffixes :func:`read_lm_records` understands.
 LM_SUFFIXES = (".jsonl", ".csv", ".tsv", ".parquet")
+#: ``system_prompt=`` words: the chat template's own system turn, or none at all (any other
+#: text is the system prompt itself).
+SYSTEM_PROMPTS = ("default", "none")
+# A system turn's content no one writes: what the template adds for it is cut out.
+_SYSTEM_MARKER = "\x00dptrain-system-marker\x00"
 #: The label of a position the loss ignores (``torch.nn.functional.cross_entropy``'s default).
 IGNORE_INDEX = -100
 
@@ -302,6 +309,31 @@ def _check_column_arg(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} is not allowed: expected a column name or None")
 
 
+def _column_names(
+    prompt_col: str, completion_col: str, text_col: str, messages_col: str
+) -> dict[str, str]:
+    """The record columns' names in the user's data: canonical name -> column."""
+    names = {
+        "prompt": prompt_col,
+        "completion": completion_col,
+        "text": text_col,
+        "messages": messages_col,
+    }
+    for canonical, column in names.items():
+        _check_column_arg(f"{canonical}_col", column)
+        if column is None:
+            raise ValueError(f"{canonical}_col=None is not allowed: expected a column name")
+    taken: dict[str, str] = {}
+    for canonical, column in names.items():
+        if column in taken:
+            raise ValueError(
+                f"{canonical}_col={column!r} is not allowed: it is also "
+                f"{taken[column]}_col; each record column needs its own name"
+            )
+        taken[column] = canonical
+    return names
+
+
 def lm_records_from_rows(
     rows: Sequence[Mapping[str, Any]],
     *,
@@ -309,11 +341,19 @@ def lm_records_from_rows(
     user_col: str | None = None,
     label_col: str | None = "label",
     source: str = "rows",
+    prompt_col: str = "prompt",
+    completion_col: str = "completion",
+    text_col: str = "text",
+    messages_col: str = "messages",
 ) -> LMRecords:
     """Records from rows in memory (one mapping per record), checked as :func:`read_lm_records` does.
 
     The columns are the keys found in any row, in order of appearance; a value
     that is absent, None or NaN is missing (an empty prompt; an error elsewhere).
+    ``prompt_col``, ``completion_col``, ``text_col`` and ``messages_col`` name the
+    record columns when the data calls them otherwise (``prompt_col="question"``).
+    Every bad record is found before the error: it names the first
+    ``_ROWS_SHOWN`` (10) and counts them all.
     """
     if record_format is not None and record_format not in RECORD_FORMATS:
         raise ValueError(
@@ -322,12 +362,24 @@ def lm_records_from_rows(
         )
     _check_column_arg("user_col", user_col)
     _check_column_arg("label_col", label_col)
+    col = _column_names(prompt_col, completion_col, text_col, messages_col)
     if not rows:
         raise ValueError(f"{source} has no records: expected at least one")
     columns = list(dict.fromkeys(str(k) for row in rows for k in row))
+    # Detection reads the canonical names: the user's "question" column is the prompt;
+    # a column literally named "prompt" is then nobody's.
+    canonical_of = {column: canonical for canonical, column in col.items()}
+    renamed = {c for c, column in col.items() if column != c}
+    as_canonical = [canonical_of.get(c, f"{c} (not read)" if c in renamed else c) for c in columns]
     if record_format is None:
-        record_format = detect_record_format(columns, source)
-    needed = FORMAT_COLUMNS[record_format]
+        try:
+            record_format = detect_record_format(as_canonical, source)
+        except ValueError as err:
+            if not renamed:
+                raise
+            chosen = ", ".join(f"{c}_col={col[c]!r}" for c in sorted(renamed))
+            raise ValueError(f"{err} (with {chosen})") from None
+    needed = [col[c] for c in FORMAT_COLUMNS[record_format]]
     missing = [c for c in needed if c not in columns]
     if missing:
         found = ", ".join(map(repr, columns)) or "none"
@@ -351,37 +403,25 @@ def lm_records_from_rows(
         label_col = None  # optional: carried only when the source has it
 
     records = []
+    problems: list[str] = []
     for number, row in enumerate(rows, 1):
-        where = f"{source}: record {number}"
-        user = None
-        if user_col is not None:
-            value = row.get(user_col)
-            if _missing(value):
-                raise ValueError(
-                    f"{where} has no user in column user_col={user_col!r}: every record needs "
-                    "one (a record cannot be assigned to a user for the split and user-level "
-                    "privacy otherwise)"
-                )
-            # As text, so that the same id read from CSV ("7") and JSONL (7) is one user.
-            user = str(_plain(value))
-        label = None if label_col is None else _plain(row.get(label_col))
-        label = None if _missing(label) else label
-        fields: dict[str, Any] = {}
-        if record_format == "prompt_completion":
-            fields["prompt"] = _string(row.get("prompt"), where, "prompt")
-            fields["completion"] = _string(row.get("completion"), where, "completion")
-            if not fields["completion"].strip():
-                raise ValueError(
-                    f"{where} has an empty completion: every prompt/completion record needs a "
-                    "non-empty completion (the loss is on it)"
-                )
-        elif record_format == "text":
-            fields["text"] = _string(row.get("text"), where, "text")
-            if not fields["text"].strip():
-                raise ValueError(f"{where} has an empty text: every text record needs some text")
-        else:
-            fields["messages"] = _messages(row.get("messages"), where, "messages")
-        records.append(LMRecord(row=number, user=user, label=label, **fields))
+        try:
+            records.append(_record(row, number, source, record_format, col, user_col, label_col))
+        except ValueError as err:
+            problems.append(str(err))
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        # All of them, counted, the first ones named: one error per run of the command
+        # would make a user with 30 bad records run it 30 times.
+        more = len(problems) - _ROWS_SHOWN
+        listed = "\n".join(f"  {p}" for p in problems[:_ROWS_SHOWN])
+        raise ValueError(
+            f"{len(problems)} of {len(rows)} records of {source} are not usable"
+            + (f" (the first {_ROWS_SHOWN} shown)" if more > 0 else "")
+            + f":\n{listed}"
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
     return LMRecords(
         record_format=record_format,
         records=records,
@@ -391,12 +431,58 @@ def lm_records_from_rows(
     )
 
 
+def _record(
+    row: Mapping[str, Any],
+    number: int,
+    source: str,
+    record_format: str,
+    col: dict[str, str],
+    user_col: str | None,
+    label_col: str | None,
+) -> LMRecord:
+    """Record ``number`` (1-based) of ``row``, or a ValueError naming it and what is wrong."""
+    where = f"{source}: record {number}"
+    user = None
+    if user_col is not None:
+        value = row.get(user_col)
+        if _missing(value):
+            raise ValueError(
+                f"{where} has no user in column user_col={user_col!r}: every record needs "
+                "one (a record cannot be assigned to a user for the split and user-level "
+                "privacy otherwise)"
+            )
+        # As text, so that the same id read from CSV ("7") and JSONL (7) is one user.
+        user = str(_plain(value))
+    label = None if label_col is None else _plain(row.get(label_col))
+    label = None if _missing(label) else label
+    fields: dict[str, Any] = {}
+    if record_format == "prompt_completion":
+        fields["prompt"] = _string(row.get(col["prompt"]), where, col["prompt"])
+        fields["completion"] = _string(row.get(col["completion"]), where, col["completion"])
+        if not fields["completion"].strip():
+            raise ValueError(
+                f"{where} has an empty completion: every prompt/completion record needs a "
+                "non-empty completion (the loss is on it)"
+            )
+    elif record_format == "text":
+        fields["text"] = _string(row.get(col["text"]), where, col["text"])
+        if not fields["text"].strip():
+            raise ValueError(f"{where} has an empty text: every text record needs some text")
+    else:
+        fields["messages"] = _messages(row.get(col["messages"]), where, col["messages"])
+    return LMRecord(row=number, user=user, label=label, **fields)
+
+
 def read_lm_records(
     path: str | Path,
     *,
     record_format: str | None = None,
     user_col: str | None = None,
     label_col: str | None = "label",
+    prompt_col: str = "prompt",
+    completion_col: str = "completion",
+    text_col: str = "text",
+    messages_col: str = "messages",
 ) -> LMRecords:
     """Records from a ``.jsonl``, ``.csv``, ``.tsv`` or ``.parquet`` file (see the module docstring).
 
@@ -407,13 +493,17 @@ def read_lm_records(
         user_col: the column holding each record's user id (read as text), or None.
         label_col: the column carried through as each record's label when the file
             has it (None: never).
+        prompt_col, completion_col, text_col, messages_col: the names of the record
+            columns in this file, when they are not ``prompt``, ``completion``, ``text``
+            and ``messages``.
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: unknown suffix; no (or an ambiguous) record format, naming the
             columns found and the formats allowed; a missing column; a record with an
             empty completion or text, bad messages (not a list of role/content
-            objects, an unknown role, no assistant turn) or no user.
+            objects, an unknown role, no assistant turn) or no user: every such record,
+            counted, the first 10 named.
     """
     path = Path(path)
     check_table_path(path, LM_SUFFIXES)
@@ -426,6 +516,10 @@ def read_lm_records(
         user_col=user_col,
         label_col=label_col,
         source=str(path),
+        prompt_col=prompt_col,
+        completion_col=completion_col,
+        text_col=text_col,
+        messages_col=messages_col,
     )
 
 
@@ -572,7 +666,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], gen: bool, where: str):
+def _apply_template(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], gen: bool, where: str
+) -> str:
     try:
         return tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=gen
@@ -581,13 +677,83 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], gen: b
         raise ValueError(f"{where}: the tokenizer's chat template failed: {err}") from err
 
 
+def _check_system_prompt(system_prompt: Any) -> str:
+    if not isinstance(system_prompt, str) or not system_prompt.strip():
+        raise ValueError(
+            f"system_prompt={system_prompt!r} is not allowed: expected 'default' (the chat "
+            "template's own), 'none' (no system turn) or the text of a system prompt"
+        )
+    return system_prompt
+
+
+def _with_system(messages: Sequence[dict], system_prompt: str) -> list[dict]:
+    """``messages`` with the system turn ``system_prompt`` asks for (a record's own wins)."""
+    messages = list(messages)
+    if system_prompt in SYSTEM_PROMPTS or (messages and messages[0]["role"] == "system"):
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict],
+    gen: bool,
+    where: str,
+    system_prompt: str = "default",
+) -> str:
+    """The conversation as the template writes it, with the system turn ``system_prompt``
+    asks for (see :func:`render_chat`)."""
+    messages = _with_system(messages, system_prompt)
+    if system_prompt != "none" or (messages and messages[0]["role"] == "system"):
+        return _apply_template(tokenizer, messages, gen, where)
+    # No system turn: a template such as SmolLM2's writes its default system prompt
+    # whenever the first message is not a system one, and has no switch for it. Render
+    # with a marker system turn and cut out exactly that turn, keeping what the template
+    # writes before any turn (a BOS such as Llama 3's <|begin_of_text|>).
+    first, second = ({"role": "system", "content": _SYSTEM_MARKER + str(k)} for k in (1, 2))
+    one = _apply_template(tokenizer, [first], False, where)
+    two = _apply_template(tokenizer, [first, second], False, where)
+    # a system turn as written after another turn, i.e. without the conversation's opening
+    turn = two[len(one) :].replace(second["content"], first["content"])
+    text = _apply_template(tokenizer, [first, *messages], gen, where)
+    if not (two.startswith(one) and one.endswith(turn) and text.startswith(one)):
+        raise ValueError(
+            f"{where}: system_prompt='none' is not allowed with this chat template: its "
+            "system turn cannot be told apart from the rest of the rendering, so it cannot "
+            "be cut out; use 'default' or a system prompt text"
+        )
+    return one[: len(one) - len(turn)] + text[len(one) :]
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict],
+    *,
+    add_generation_prompt: bool = False,
+    system_prompt: str = "default",
+) -> str:
+    """``messages`` rendered with the tokenizer's chat template, as training renders them.
+
+    ``system_prompt``: ``"default"`` leaves the template alone (SmolLM2's writes "You are
+    a helpful AI assistant named SmolLM, trained by Hugging Face" before a conversation
+    without a system message); ``"none"`` renders no system turn at all; any other text
+    is the system turn of every conversation without one. A record's own system
+    message is always kept as it is.
+    """
+    system_prompt = _check_system_prompt(system_prompt)
+    return _render(tokenizer, messages, add_generation_prompt, "render_chat", system_prompt)
+
+
 def _chat_incremental(
-    tokenizer: PreTrainedTokenizerBase, messages: tuple[dict[str, str], ...], where: str
+    tokenizer: PreTrainedTokenizerBase,
+    messages: tuple[dict[str, str], ...],
+    where: str,
+    system_prompt: str = "default",
 ) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and which are assistant tokens (see the module doc)."""
     prefixes = [""]
     for k in range(1, len(messages) + 1):
-        text = _render(tokenizer, messages[:k], False, where)
+        text = _render(tokenizer, messages[:k], False, where, system_prompt)
         if not text.startswith(prefixes[-1]):
             raise ValueError(
                 f"{where}: the chat template's rendering of the first {k - 1} message(s) is not "
@@ -612,7 +778,7 @@ def _chat_incremental(
         start, end = prefixes[k], prefixes[k + 1]
         # The role header belongs to the prompt: at inference the generation prompt
         # writes it and the model writes only what follows.
-        header = _render(tokenizer, messages[:k], True, where)
+        header = _render(tokenizer, messages[:k], True, where, system_prompt)
         if header.startswith(start) and end.startswith(header):
             start = header
         spans.append((start, end))
@@ -628,12 +794,24 @@ def _chat_incremental(
 
 
 def _chat_generation(
-    tokenizer: PreTrainedTokenizerBase, messages: tuple[dict[str, str], ...], where: str
+    tokenizer: PreTrainedTokenizerBase,
+    messages: tuple[dict[str, str], ...],
+    where: str,
+    system_prompt: str = "default",
 ) -> tuple[list[int], list[bool]]:
     """The template's own assistant mask (its ``{% generation %}`` blocks)."""
+    if system_prompt == "none" and messages[0]["role"] != "system":
+        raise ValueError(
+            f"{where}: system_prompt='none' is not allowed with a template that has "
+            "{% generation %} blocks (its assistant mask comes from the template as it is); "
+            "use 'default' or a system prompt text"
+        )
     try:
         out = tokenizer.apply_chat_template(
-            list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            _with_system(messages, system_prompt),
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
         )
     except Exception as err:
         raise ValueError(f"{where}: the tokenizer's chat template failed: {err}") from err
@@ -676,7 +854,11 @@ def _fit(
 
 
 def _parts(
-    records: LMRecords, tokenizer: PreTrainedTokenizerBase, eos: int | None, chat_masking: str
+    records: LMRecords,
+    tokenizer: PreTrainedTokenizerBase,
+    eos: int | None,
+    chat_masking: str,
+    system_prompt: str = "default",
 ) -> Iterator[tuple[list[int], list[int], list[bool]]]:
     """``(prompt, body, mask)`` token ids per record, before the head and truncation."""
     fmt = records.record_format
@@ -684,7 +866,7 @@ def _parts(
         masker = _chat_generation if chat_masking == "generation" else _chat_incremental
         for record in records:
             where = f"{records.source}: record {record.row}"
-            ids, mask = masker(tokenizer, record.messages, where)
+            ids, mask = masker(tokenizer, record.messages, where, system_prompt)
             if not any(mask):
                 raise ValueError(
                     f"{where}: the chat template renders its assistant turns to no tokens, "
@@ -713,6 +895,7 @@ def tokenize_lm_records(
     *,
     max_length: int = 512,
     on_too_long: str = "truncate",
+    system_prompt: str = "default",
 ) -> LMExamples:
     """Token ids and loss labels of every record, within ``max_length`` tokens.
 
@@ -738,6 +921,10 @@ def tokenize_lm_records(
             ``{% generation %}`` blocks); chat records need its ``chat_template``.
         max_length: the most tokens an example may have, >= 2.
         on_too_long: one of :data:`ON_TOO_LONG`.
+        system_prompt: chat records only: ``"default"`` (the template's own; SmolLM2's
+            adds a 21-token default system prompt to every conversation without a system
+            message), ``"none"`` (no system turn) or the text of the system turn to add
+            (see :func:`render_chat`).
 
     Raises:
         ValueError: a bad argument; a tokenizer without a chat template for chat
@@ -746,6 +933,7 @@ def tokenize_lm_records(
             ``on_too_long="error"``.
     """
     max_length = check_int("max_length", max_length, 2)
+    system_prompt = _check_system_prompt(system_prompt)
     if on_too_long not in ON_TOO_LONG:
         raise ValueError(
             f"on_too_long={on_too_long!r} is not allowed: expected one of {list(ON_TOO_LONG)}"
@@ -764,6 +952,7 @@ def tokenize_lm_records(
         generation = isinstance(template, str) and _GENERATION_BLOCK.search(template)
         chat_masking = "generation" if generation else "incremental"
         summary["chat_masking"] = chat_masking
+        summary["system_prompt"] = system_prompt
         # The template writes the special tokens (and closes turns) itself.
         head, eos = [], None
     else:
@@ -780,7 +969,7 @@ def tokenize_lm_records(
     kept: list[int] = []
     status_rows: dict[str, list[int]] = {"prompt_truncated": [], "too_long": []}
     tokens = loss_tokens = 0
-    parts = _parts(records, tokenizer, eos, chat_masking)
+    parts = _parts(records, tokenizer, eos, chat_masking, system_prompt)
     for i, (prompt, body, mask) in enumerate(parts):
         ids, labels, status = _fit(
             head, prompt, body, mask, max_length, truncate=on_too_long == "truncate"

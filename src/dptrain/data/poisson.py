@@ -30,6 +30,8 @@ import torch
 from torch.utils.data import default_collate
 
 from dptrain._checks import check_int, check_sample_rate
+from dptrain.generators import restore_generator
+from dptrain.secure_random import secure_uniform
 
 __all__ = [
     "ChunkUnits",
@@ -110,6 +112,10 @@ class PoissonBatchSampler:
             known to the sampler, so :attr:`seed` is None.
         seed: an explicit seed in [0, 2**64 - 1]. With neither ``generator``
             nor ``seed``, a generator is seeded from the OS.
+        secure: draw membership from the OS's CSPRNG (:func:`dptrain.secure_random.
+            secure_uniform`, the same 53-bit grid) instead of a seeded torch generator:
+            no seed exists that predicts the batches. Not reproducible, so neither
+            ``generator`` nor ``seed`` may be given.
 
     Attributes:
         seed: the seed the generator started from (log it to reproduce a
@@ -124,7 +130,14 @@ class PoissonBatchSampler:
         generator: torch.Generator | None = None,
         *,
         seed: int | None = None,
+        secure: bool = False,
     ):
+        if secure and (generator is not None or seed is not None):
+            raise ValueError(
+                f"secure=True with generator={generator!r}, seed={seed!r}: secure sampling "
+                "draws from the OS's CSPRNG and cannot be seeded; drop the seed / generator"
+            )
+        self.secure = secure
         self.dataset_size = check_int("dataset_size", dataset_size, minimum=1)
         self.steps = check_int("steps", steps, minimum=0)
         if callable(sample_rate):
@@ -162,7 +175,10 @@ class PoissonBatchSampler:
         indices: list[int] = []
         for start in range(0, self.dataset_size, _BLOCK):
             n = min(_BLOCK, self.dataset_size - start)
-            u = torch.rand(n, generator=self.generator, dtype=torch.float64)
+            if self.secure:
+                u = secure_uniform(n)
+            else:
+                u = torch.rand(n, generator=self.generator, dtype=torch.float64)
             hits = torch.nonzero(u < q).flatten()
             indices.extend((hits + start).tolist())
         self._steps_drawn = step + 1
@@ -217,7 +233,7 @@ class PoissonBatchSampler:
                 f"steps_drawn={steps_drawn!r} is not allowed: expected an integer <= "
                 f"steps={self.steps}"
             )
-        self.generator.set_state(torch.as_tensor(state["generator_state"], dtype=torch.uint8))
+        restore_generator(self.generator, state["generator_state"])
         self.seed = state["seed"]
         self._steps_drawn = steps_drawn
 
@@ -355,6 +371,18 @@ class LogicalBatch:
         if self.num_units is None:
             self.num_units = self.size
 
+    def __iter__(self) -> Iterator[Any]:
+        # An Opacus habit, ``for x, y in private.data_loader``, unpacks the batch. Yielding
+        # the chunks instead would make that loop run, one optimizer step per chunk: many
+        # more steps than the ledger plans, each on part of a Poisson batch. So refuse it,
+        # and say what to write.
+        raise TypeError(
+            "a LogicalBatch is one private step, not (inputs, labels): iterate its physical "
+            "chunks, `for batch in private.data_loader: for x, y in batch.chunks: "
+            "private.backward(per_example_losses)`, then private.optimizer.step() once per "
+            "batch (docs/migrating_from_opacus.md)"
+        )
+
 
 class DPDataLoader:
     """Poisson-sampled logical batches of a map-style dataset, as physical chunks.
@@ -376,7 +404,7 @@ class DPDataLoader:
         max_physical_batch_size: most records per chunk (>= 1).
         collate_fn: turns a list of records into a chunk;
             default ``torch.utils.data.default_collate``.
-        generator, seed: as for :class:`PoissonBatchSampler`.
+        generator, seed, secure: as for :class:`PoissonBatchSampler`.
         unit_ids: one id (any hashable) per record for user-level DP: the units
             (users) are Poisson-sampled with rate q, each bringing all its records,
             and chunks are packed by unit (:func:`pack_units`); ``dataset_size`` and
@@ -397,6 +425,7 @@ class DPDataLoader:
         seed: int | None = None,
         unit_ids: Sequence[Any] | None = None,
         chunk_key: Callable[[int], float] | None = None,
+        secure: bool = False,
     ):
         self.dataset = dataset
         self.chunk_key = chunk_key
@@ -408,7 +437,7 @@ class DPDataLoader:
         self.unit_members = None if unit_ids is None else group_records(unit_ids, n)
         self.dataset_size = n if self.unit_members is None else len(self.unit_members)
         self.sampler = PoissonBatchSampler(
-            self.dataset_size, sample_rate, steps, generator, seed=seed
+            self.dataset_size, sample_rate, steps, generator, seed=seed, secure=secure
         )
 
     @property

@@ -13,6 +13,7 @@ from dptrain._checks import check_positive
 from dptrain.accounting import PrivacyLedger
 from dptrain.distributed.collectives import _flat_collective
 from dptrain.distributed.context import _rank_and_world
+from dptrain.generators import restore_generator
 from dptrain.optim import DPOptimizer, PrivacyBudgetExhaustedError, StepMetrics, _publish
 
 __all__ = ["DistributedDPOptimizer"]
@@ -180,9 +181,7 @@ class DistributedDPOptimizer(DPOptimizer):
         """||reduced sum - noise||^2, redrawing the noise from the states it started from."""
         gens = {}
         for d, state in start_states.items():
-            g = torch.Generator(device=d)
-            g.set_state(state)
-            gens[d] = g
+            gens[d] = restore_generator(torch.Generator(device=d), state)
         total = 0.0
         for p, s in zip(params, sums, strict=True):
             noise = torch.empty_like(s).normal_(0.0, std, generator=gens[p.device])

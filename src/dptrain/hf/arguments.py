@@ -102,6 +102,14 @@ class PrivacyArguments:
             "would protect nothing."
         },
     )
+    secure_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "Draw the noise and the Poisson sampling from the OS's cryptographically "
+            "secure generator (os.urandom; Opacus' secure_mode): no seed predicts them. "
+            "One process only; not with seed."
+        },
+    )
     max_noise_multiplier: float = field(
         default=DEFAULT_MAX_NOISE_MULTIPLIER,
         metadata={"help": "Refuse a target_epsilon that calibrates to more noise than this."},
@@ -139,6 +147,11 @@ class PrivacyArguments:
             )
             if self.seed is not None:
                 self.seed = check_int("seed", self.seed, 0)
+                if self.secure_mode:
+                    raise ValueError(
+                        f"secure_mode=True with seed={self.seed}: secure noise and sampling "
+                        "come from the OS's CSPRNG and cannot be seeded; drop the seed"
+                    )
         except PrivacyArgumentsError:
             raise
         except ValueError as exc:

@@ -165,15 +165,18 @@ class _PrivacyCallback(TrainerCallback):
             # budget is what decides, and the line says so.
             self.reported = True
             control.should_training_stop = True
-            log.info(
-                "privacy budget spent: %d steps, epsilon %.4g at delta %g (%s, per %s); "
-                "training stops",
-                self.trainer.privacy.optimizer.steps_taken,
-                self.trainer.epsilon(),
-                plan.target_delta,
-                plan.accountant,
-                plan.privacy_unit,
+            line = (
+                f"privacy budget spent: {self.trainer.privacy.optimizer.steps_taken} steps, "
+                f"epsilon {self.trainer.epsilon():.4g} at delta {plan.target_delta:g} "
+                f"({plan.accountant}, per {plan.privacy_unit}); training stops"
             )
+            # A default run shows WARNING and above only (transformers' verbosity too), and
+            # this is the one line a user must see: printed then, as Trainer prints its
+            # metrics; logged instead where INFO reaches a handler (no line twice).
+            if log.isEnabledFor(logging.INFO):
+                log.info(line)
+            elif state.is_world_process_zero:
+                print(line, flush=True)
         return control
 
 
@@ -485,12 +488,24 @@ class DPTrainer(Trainer):
             "privacy_unit": plan.privacy_unit,
         }
         if plan.world_size > 1:
+            if self.privacy_args.secure_mode:
+                # every rank draws the same batches from one shared seed, which is what
+                # secure mode does away with
+                raise PrivacyArgumentsError(
+                    f"secure_mode=True is not allowed with {plan.world_size} processes: the "
+                    "ranks agree on each batch through a shared seed; train in one process"
+                )
             private = make_private_distributed(
                 self.model, optimizer, self.train_dataset, user_ids=self._unit_ids, **common
             )
         else:
             private = make_private(
-                self.model, optimizer, self.train_dataset, user_ids=self._unit_ids, **common
+                self.model,
+                optimizer,
+                self.train_dataset,
+                user_ids=self._unit_ids,
+                secure_mode=self.privacy_args.secure_mode,
+                **common,
             )
         if plan.target_epsilon is not None:
             # The calibrated noise meets the target for exactly the planned steps.

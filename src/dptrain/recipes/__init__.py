@@ -26,14 +26,43 @@
   (``dptrain audit one-run``); :mod:`dptrain.recipes.audit_mia`: membership
   inference (LiRA) on shadow linear probes (``dptrain audit mia``).
 
-The YAML files in ``configs/`` are the packaged settings (:func:`configs_dir`).
+The YAML files in ``configs/`` are the packaged settings (:func:`configs_dir`); a
+command's ``--config`` takes one by name (``--config lm``), see :func:`resolve_config`.
 """
 
+import importlib.resources
 from pathlib import Path
 
-__all__ = ["configs_dir"]
+__all__ = ["configs_dir", "packaged_configs", "resolve_config"]
 
 
 def configs_dir() -> Path:
     """The folder of the packaged recipe configs (``seqrec.yaml``, ``classify.yaml``, ...)."""
     return Path(__file__).parent / "configs"
+
+
+def packaged_configs() -> list[str]:
+    """Names of the packaged configs (``lm``, ``seqrec``, ...), which ``--config`` accepts."""
+    root = importlib.resources.files(__package__) / "configs"
+    return sorted(p.name.removesuffix(".yaml") for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_config(name_or_path: str | Path) -> Path:
+    """The YAML file that ``--config name_or_path`` means.
+
+    An existing file wins (a user's ``lm.yaml`` in the working folder is theirs); else a
+    packaged config's name, with or without ``.yaml`` (``lm``, ``dpfp_experiment.yaml``),
+    read through :mod:`importlib.resources` so it works from an installed wheel, not only
+    from a source checkout. Anything else is a ``ValueError`` that lists the names.
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    name = str(name_or_path).removesuffix(".yaml")
+    if name in packaged_configs():
+        packaged = importlib.resources.files(__package__) / "configs" / f"{name}.yaml"
+        return Path(str(packaged))
+    raise ValueError(
+        f"--config={str(name_or_path)!r} is not allowed: no such file, and not a packaged "
+        f"config; expected a YAML file or one of {packaged_configs()}"
+    )

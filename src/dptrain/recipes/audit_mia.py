@@ -113,11 +113,15 @@ class MIAAuditConfig:
     """``rotten-tomatoes``, ``womens-clothing``, a CSV/TSV/JSONL/Parquet path (text, label)
     or ``synthetic`` (random features, no encoder)."""
     text_col: str = "text"
+    """Column of the texts in a data file."""
     label_col: str = "label"
+    """Column of the labels in a data file."""
     encoder: str = "minilm"
     """``minilm`` (the packaged all-MiniLM-L6-v2) or a local Hugging Face model folder."""
     pooling: str = "mean"
+    """How the encoder's token states become one feature vector: ``mean``, ``cls`` or ``pooler``."""
     max_length: int = 128
+    """Most tokens per text fed to the encoder."""
     pool: int = 500
     """Examples the attack targets: a seeded subset of the training split; each model
     trains on about half of it (250 texts by default: small, so that the non-private
@@ -130,6 +134,7 @@ class MIAAuditConfig:
     delta: float | str = "1/N^1.1"
     """delta of every private probe; a rule of N = pool / 2 or a number."""
     epochs: int = 100
+    """Passes over its training half for every probe."""
     batch_size: int = 64
     """Expected batch size (Poisson for the private probes, exact for the non-private one)."""
     max_norm: float = 1.0
@@ -137,10 +142,12 @@ class MIAAuditConfig:
     lr: float = 0.01
     """Adam's learning rate, every probe."""
     weight_decay: float = 0.0
+    """Adam's weight decay, every probe."""
     variance: str = "auto"
     """The online LiRA curve of roc.png: ``global``, ``per-example`` or ``auto`` (global
     below 64 shadows, as the paper advises); results.json has both."""
     fprs: list[float] = dataclasses.field(default_factory=lambda: [0.001, 0.01])
+    """False-positive rates at which the TPR is reported."""
     synthetic_dim: int = 32
     """Feature dimension of ``data=synthetic``."""
     split_seed: int = 0
@@ -150,7 +157,9 @@ class MIAAuditConfig:
     num_threads: int = 0
     """torch threads; 0 leaves torch's default."""
     out: str = "runs/audit-mia"
+    """Output folder of the run."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
     def __post_init__(self) -> None:
         check_int("pool", self.pool, 4)

@@ -87,7 +87,9 @@ class OneRunAuditConfig:
     noise_multiplier: float = 0.0
     """sigma given directly instead of ``epsilon`` (0: calibrate to ``epsilon``)."""
     delta: float = 1e-5
+    """delta of the run and of the lower bounds."""
     steps: int = 10
+    """Training steps of the audited run."""
     width: int = 0
     """Input width d (0: 1000 white-box, where the classifier is d x d; 512 black-box; the
     self-test's two runs take it both, or their own defaults)."""
@@ -103,19 +105,24 @@ class OneRunAuditConfig:
     """m; 0: one per weight (width^2) white-box, 20,000 black-box (both runs of the
     self-test take a value given)."""
     examples: int = 64
+    """Non-canary training examples."""
     batch_size: str = "full"
     """``full`` (q = 1) or the expected batch size (Poisson sampling)."""
     canary_norm: float = 10.0
     """White-box canary gradient norm before clipping, in units of C (above 1: clipping
     must cut it; at 1 clipping switched off would not show)."""
     confidence: float = 0.95
+    """Confidence of the epsilon lower bounds, for all of them together (Bonferroni)."""
     accountant: str = "pld"
+    """Accountant that calibrates sigma and reports epsilon: ``pld`` (tightest), ``rdp`` or ``gdp`` (approximate)."""
     seed: int = 0
+    """Fixes the canaries, sampling and noise."""
     scores: str = ""
     """A CSV/JSONL file of your own canaries (columns score, included): no training."""
     claimed_epsilon: float = 0.0
     """With ``scores``: the epsilon your run claims (compared with the lower bounds)."""
     out: str = "runs/audit-one-run"
+    """Output folder of the run."""
 
 
 def load_one_run_config(

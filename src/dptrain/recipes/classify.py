@@ -176,7 +176,9 @@ class ClassifyTrainConfig:
     data: str = "rotten-tomatoes"
     """``rotten-tomatoes``, ``womens-clothing`` (packaged) or a CSV/TSV/JSONL/Parquet path."""
     text_col: str = "text"
+    """Column of the texts in a data file."""
     label_col: str = "label"
+    """Column of the labels in a data file."""
     test_data: str | None = None
     """Score test accuracy on another data set: the test split of ``rotten-tomatoes`` or
     ``womens-clothing``, or every record of a CSV/TSV/JSONL/Parquet file (same
@@ -195,6 +197,7 @@ class ClassifyTrainConfig:
     """``mean``, ``cls``, ``pooler`` or ``last`` (the last token's state); unset: ``mean``
     for an encoder, ``last`` for a causal LM (whose last state has read the whole text)."""
     objective: str = "linear"
+    """``linear`` (a classification head) or ``infilling`` (predict a label word at [MASK])."""
     prompt: str | None = None
     """Text-infilling prompt appended to every text, ``[MASK]`` where the label word goes;
     unset: ``It was [MASK].`` (masked LM) or ``It was [MASK]`` (causal LM: the label word
@@ -204,11 +207,14 @@ class ClassifyTrainConfig:
     in the order of the data's labels: for a file, labels sorted by name (numerically
     when all are integers). results.json's ``label_word_of`` shows the mapping."""
     max_length: int = 128
+    """Most tokens per text (longer ones are cut)."""
     # method and privacy
     method: str = "dpfp"
+    """``nonprivate``, ``nonprivate-head``, ``dpsgd``, ``dpsgd-head``, ``dpfp`` or ``dpfp-finetune``."""
     epsilon: float | None = None
     """Target epsilon of the private methods (required for them; null for nonprivate)."""
     delta: float | str = "1/N^1.1"
+    """A number, or ``1/N^1.1`` / ``1/(2N)`` with N the number of training records."""
     accountant: str = "pld"
     """Calibration: ``pld`` (default); ``gdp`` is DP-FP's paper-faithful CLT route."""
     max_norm: float | None = None
@@ -216,26 +222,34 @@ class ClassifyTrainConfig:
     micro_batches: int = 32
     """M, DP-FP only."""
     clipping_mode: str = "book_keeping"
+    """How DP-SGD clips per-example gradients: ``book_keeping`` or ``ghost``."""
     lora_r: int | None = None
     """Train LoRA adapters of this rank (and the head) instead of the whole encoder
     (fine-tuning methods); unset: full fine-tuning."""
     lora_alpha: float = 16.0
+    """LoRA scaling alpha (the update is scaled by alpha / r)."""
     lora_targets: tuple[str, ...] = LLAMA_PROJECTIONS
     """Linear modules that get adapters (default: a Llama block's seven projections)."""
     # optimisation
     epochs: int = 3
+    """Passes over the training data (the number of steps is floor(epochs / q))."""
     batch_size: int | None = None
     """Expected batch size B (Poisson for DP-SGD; B / M per micro-batch for DP-FP)."""
     lr: float | None = None
     """Learning rate of the encoder (fine-tuning methods only)."""
     head_lr: float | None = None
+    """Learning rate of the classification head (null: the method's default)."""
     weight_decay: float = 0.0
+    """Weight decay of the optimizer."""
     max_physical_batch_size: int = 64
+    """Most records per forward/backward chunk (memory); the logical batch and the guarantee are unchanged."""
     # evaluation and output
     eval_batch_size: int = 128
+    """Records per batch when evaluating (no effect on training)."""
     num_threads: int = 0
     """torch threads for this run; 0 leaves torch's default."""
     seed: int = 0
+    """Fixes initialization, sampling and noise (reproducible, so the noise is known to anyone who knows it)."""
     audit: bool = False
     """Run the white-box one-run audit on this run (dptrain.audit.GradientCanaries;
     ``dpsgd`` and ``dpsgd-head``): its lower bounds go to results.json's ``audit``
@@ -243,10 +257,13 @@ class ClassifyTrainConfig:
     audit_canaries: int = 100_000
     """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/classify"
+    """Output folder of the run."""
     feature_cache: str | None = None
     """Folder to keep frozen-encoder representations in, shared by runs of a grid."""
     save_checkpoint: bool = True
+    """Save the trained model in the run folder."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, METHODS)
@@ -772,12 +789,17 @@ def frozen_encoder_features(
 
 
 @torch.no_grad()
-def _represent(encoder: PooledEncoder, data: _TokenizedTexts, batch_size: int) -> Tensor:
-    """(N, k) pooled representations in eval mode (deterministic), in record order."""
+def _represent(
+    encoder: PooledEncoder, data: _TokenizedTexts, batch_size: int, bar: Any = None
+) -> Tensor:
+    """(N, k) pooled representations in eval mode (deterministic), in record order;
+    ``bar`` (a tqdm bar) counts the texts encoded."""
     encoder.eval()
     out = torch.empty(len(data), encoder.hidden_size)
     for rows, inputs in data.batches(batch_size):
         out[rows] = encoder(inputs).float()
+        if bar is not None:
+            bar.update(len(rows))
     return out
 
 
@@ -802,7 +824,17 @@ def _frozen_features(
         key = Path(cfg.feature_cache) / f"features-{digest.hexdigest()[:20]}.pt"
         if key.is_file():
             return torch.load(key, weights_only=True)
-    feats = {name: _represent(encoder, splits[name], cfg.eval_batch_size) for name in splits}
+    # The frozen encoder's pass is most of a dpfp / dpsgd-head run on CPU (45 s of silence
+    # for Rotten Tomatoes before the training bar appeared): it gets its own bar.
+    with tqdm(
+        total=sum(len(splits[name]) for name in splits),
+        disable=not (cfg.progress and write),
+        desc="encoding texts (frozen encoder)",
+        unit="text",
+    ) as bar:
+        feats = {
+            name: _represent(encoder, splits[name], cfg.eval_batch_size, bar) for name in splits
+        }
     if key is not None and write:
         key.parent.mkdir(parents=True, exist_ok=True)
         tmp = key.with_suffix(f".{os.getpid()}.tmp")  # grid workers may race: write, then rename
@@ -923,6 +955,7 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
         "best_epoch": best["epoch"],
         "epsilon": eps.get("pld", math.inf),
         "delta": plan.delta if cfg.private else 0.0,
+        "privacy_unit": ledger.privacy_unit,
         "target_epsilon": cfg.epsilon,
         "calibrated_with": cfg.accountant if cfg.private else None,
         "epsilon_by_accountant": eps,

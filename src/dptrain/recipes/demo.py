@@ -23,13 +23,14 @@ Why this task: it is what dptrain is for in one picture. A private model
 trained on sensitive text with a checkable (epsilon, delta), far above what
 no training gives and close to the non-private model, in minutes. The
 earlier demo (DPFormer on MovieLens) stays as ``dptrain experiment dpformer
---config src/dptrain/recipes/configs/dpformer_demo.yaml``.
+--config dpformer_demo``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,7 +61,9 @@ class DemoConfig:
     epsilons: tuple[float, ...] = (1.0, 3.0, 8.0)
     """Target epsilons of the private probe (PLD, delta = 1/N^1.1)."""
     out: str = "runs/demo"
+    """Output folder of the demo."""
     progress: bool = True
+    """Show a progress bar on stderr."""
     train: dict[str, Any] = field(default_factory=dict)
     """Shared ClassifyTrainConfig settings (e.g. ``data``, ``encoder``, ``epochs``, ``seed``)."""
 
@@ -124,7 +127,8 @@ def run_demo(cfg: DemoConfig, command: str = "dptrain demo") -> dict[str, Any]:
     results = []
     for i, run in enumerate(runs):
         what = "non-private" if run.epsilon is None else f"epsilon {run.epsilon:g}"
-        print(f"[{i + 1}/{len(runs)}] linear probe, {what}", flush=True)
+        # stderr, with the bars: stdout is the results (a table, or --json's one line)
+        print(f"[{i + 1}/{len(runs)}] linear probe, {what}", file=sys.stderr, flush=True)
         results.append(train_classify(run))
     summary = {
         "majority_class": {"label": majority_label, "accuracy": baseline},

@@ -57,14 +57,21 @@ class DPFormerExperimentConfig:
     """The grid; the training settings shared by every run are in ``train``."""
 
     models: tuple[str, ...] = ("gru", "lstm", "transformer-untied", "transformer", "dpformer")
+    """Models of the grid (see ``train seqrec``'s ``model``)."""
     epsilons: tuple[float, ...] = (3.0, 5.0, 8.0, 10.0)
+    """Target epsilons of the grid."""
     nonprivate: bool = True
+    """Also train every model without privacy."""
     most_popular: bool = True
+    """Also score the most-popular-items baseline."""
     seeds: int = 5
+    """Training seeds per cell (0 .. seeds-1)."""
     workers: int = 1
     """Runs in parallel (processes); with workers > 1 give each run num_threads=1."""
     out: str = "runs/dpformer"
+    """Output folder of the grid."""
     train: SeqRecTrainConfig = dataclasses.field(default_factory=SeqRecTrainConfig)
+    """Training settings shared by every run: any key of ``dptrain train seqrec``, given flat."""
 
     def __post_init__(self) -> None:
         bad = [m for m in self.models if m not in MODELS or m == "most-popular"]

@@ -66,17 +66,23 @@ class DPFPExperimentConfig:
     """The grid; ``train`` holds the user's training settings shared by every run."""
 
     methods: tuple[str, ...] = tuple(m for m in METHODS if m != "nonprivate-head")
+    """Methods of the grid (see ``train classify --method``)."""
     epsilons: tuple[float, ...] = (1.0, 3.0, 8.0)
+    """Target epsilons of the grid."""
     seeds: int = 3
+    """Training seeds per cell (0 .. seeds-1)."""
     clip_sweep: tuple[float, ...] = ()
     """DP-FP clipping norms C to sweep at ``sweep_epsilon`` (Figure 2 analogue)."""
     micro_batch_sweep: tuple[int, ...] = ()
     """DP-FP micro-batch counts M to sweep at ``sweep_epsilon`` (Figure 3 analogue)."""
     sweep_method: str = "dpfp"
+    """Method of the clipping / micro-batch sweeps: ``dpfp`` or ``dpfp-finetune``."""
     sweep_epsilon: float = 3.0
+    """Target epsilon of the sweeps."""
     workers: int = 1
     """Runs in parallel (processes); with workers > 1 give each run num_threads=1."""
     out: str = "runs/dpfp"
+    """Output folder of the grid."""
     train: dict[str, Any] = dataclasses.field(default_factory=dict)
     """ClassifyTrainConfig fields (not method / epsilon / seed), as given."""
     per_method: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)

@@ -113,11 +113,14 @@ class ExposureAuditConfig:
     data: str = "e2e"
     """``e2e`` (``../shared/data/e2e``) or a folder of the cleaned E2E release."""
     valid_fraction: float = 0.1
+    """Share of the dev tables held out for validation."""
     split_seed: int = 0
+    """Seed of the train/validation split (fixed across training seeds)."""
     # canaries (Li et al. App. M)
     repetitions: list[int] = dataclasses.field(default_factory=lambda: [1, 10, 100])
     """Values of r: each canary of a group is inserted r times."""
     canaries_per_repetition: int = 5
+    """Canaries in each repetition group."""
     subvocab_size: int = 10
     """V: the sub-vocabulary the prefix and secret words are drawn from."""
     secret_length: int = 5
@@ -125,6 +128,7 @@ class ExposureAuditConfig:
     prefix_format: str = DEFAULT_PREFIX_FORMAT
     """The canary prefix (the 'table'), ``{word}`` slots filled from the sub-vocabulary."""
     canary_seed: int = 0
+    """Seed of the canaries' prefixes and secrets."""
     # exposure
     n_samples: int = 2000
     """Random other secrets scored per canary for the distribution model (>= 100)."""
@@ -132,14 +136,18 @@ class ExposureAuditConfig:
     """Also score every other secret (exact rank exposure) when V**l <= this; 0: never.
     Costs V**l sequences per canary and model (e.g. 1e5 x 15 canaries: tens of minutes)."""
     score_batch_size: int = 256
+    """Sequences scored per batch."""
     # runs
     epsilons: list[float | None] = dataclasses.field(default_factory=lambda: [None, 3.0])
     """Guarantees to train: a target epsilon, or null for the non-private model."""
     seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """Training seeds of every model."""
     train: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Table2TextConfig fields (overrides of its defaults) for every training run."""
     out: str = "runs/exposure"
+    """Output folder of the audit."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
     def __post_init__(self) -> None:
         if not self.repetitions:

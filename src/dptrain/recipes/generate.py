@@ -71,17 +71,27 @@ class GenerateConfig:
     chat: bool = False
     """Render ``prompt`` as one user turn of the tokenizer's chat template (for a model
     trained on chat records)."""
+    system_prompt: str = "default"
+    """With ``chat``: the system turn, as ``train lm``'s ``system_prompt`` (give the value
+    the model was trained with): ``default``, ``none`` or a text."""
     temperature: float = 1.0
+    """Sampling temperature (lower: more likely tokens)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens with this much probability."""
     top_k: int = 0
     """Keep only the k most likely tokens (0: all)."""
     max_new_tokens: int = 128
+    """Most tokens per generated record."""
     batch_size: int = 16
+    """Records generated at once."""
     seed: int = 0
+    """Seed of the sampling (generation is post-processing: it costs no privacy)."""
     device: str = "cpu"
+    """Where the model runs: ``cpu``, ``cuda`` or ``cuda:N``."""
     out: str = "runs/generate"
+    """Folder for synthetic.jsonl and report.json."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -151,8 +161,10 @@ def load_generator(folder: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     return model.eval(), tokenizer, privacy
 
 
-def _prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
-    from dptrain.data.lm_records import prompt_ids
+def _prompt_ids(
+    tokenizer: Any, prompt: str, chat: bool, system_prompt: str = "default"
+) -> list[int]:
+    from dptrain.data.lm_records import prompt_ids, render_chat
 
     if not chat:
         return prompt_ids(tokenizer, prompt)
@@ -161,8 +173,11 @@ def _prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     # Rendered as text, then tokenized without added special tokens: how `train lm`
     # tokenizes chat records (dptrain.data.lm_records), so the model sees the same ids.
     # (tokenize=True returns a BatchEncoding in transformers 5, not a list of ids.)
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    text = render_chat(
+        tokenizer,
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        system_prompt=system_prompt,
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -177,6 +192,7 @@ def generate_records(model: Any, tokenizer: Any, cfg: GenerateConfig) -> list[di
             tokenizer,
             cfg.prompt if label is None else cfg.prompt.replace("{label}", label),
             cfg.chat,
+            cfg.system_prompt,
         )
         for label in labels
     }

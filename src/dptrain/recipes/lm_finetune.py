@@ -81,8 +81,9 @@ from dptrain.accounting import (
     make_accountant,
     steps_from_epochs,
 )
-from dptrain.clipping.engine import CLIPPING_MODES, upcast
+from dptrain.clipping.engine import CLIPPING_MODES
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS
+from dptrain.clipping.precision import upcast
 from dptrain.config import save_config
 from dptrain.data.lm_records import (
     IGNORE_INDEX,
@@ -124,6 +125,7 @@ from dptrain.recipes._schedules import (
     resolve_stages,
     schedule_function,
 )
+from dptrain.supported import check_device
 
 __all__ = [
     "LLAMA_PROJECTIONS",
@@ -152,6 +154,18 @@ class LMFinetuneConfig:
     """``auto`` (from the columns), ``prompt_completion``, ``text`` or ``chat``."""
     user_col: str | None = None
     """Column of user ids: user-level DP (all of a user's records are one unit)."""
+    prompt_col: str = "prompt"
+    """Column of the prompts (prompt/completion records), e.g. ``question``."""
+    completion_col: str = "completion"
+    """Column of the completions (prompt/completion records), e.g. ``answer``."""
+    text_col: str = "text"
+    """Column of the texts (text records)."""
+    messages_col: str = "messages"
+    """Column of the conversations (chat records)."""
+    system_prompt: str = "default"
+    """Chat records without a system message: ``default`` (the template's own; SmolLM2's
+    adds "You are a helpful AI assistant named SmolLM, trained by Hugging Face", 21
+    tokens), ``none`` (no system turn) or the text of the system prompt to use."""
     max_length: int = 256
     """Most tokens per record; longer prompts are cut from the left (see ``on_too_long``)."""
     on_too_long: str = "truncate"
@@ -159,6 +173,7 @@ class LMFinetuneConfig:
     valid_fraction: float = 0.1
     """Share of the records (of the users, with ``user_col``) held out for validation."""
     split_seed: int = 0
+    """Seed of the train/validation split."""
     # model
     model: str = SMOLLM2
     """``smollm2-135m-instruct`` (packaged) or a local Hugging Face causal-LM folder."""
@@ -167,6 +182,7 @@ class LMFinetuneConfig:
     lora_r: int = 8
     """LoRA rank; 0 fine-tunes every parameter instead."""
     lora_alpha: float = 16.0
+    """LoRA scaling alpha (the update is scaled by alpha / r)."""
     lora_targets: tuple[str, ...] = LLAMA_PROJECTIONS
     """Names of the linear modules that get adapters (Llama's seven projections by default)."""
     # privacy
@@ -179,12 +195,18 @@ class LMFinetuneConfig:
     noise_multiplier: float | None = None
     """Use this sigma instead of calibrating to epsilon (set epsilon=null)."""
     accountant: str = "pld"
+    """Accountant that calibrates sigma and reports epsilon: ``pld`` (tightest), ``rdp`` or ``gdp`` (approximate)."""
     max_grad_norm: float = 1.0
+    """C: the clipping norm of each unit's gradient."""
     clipping: str = "flat"
+    """Clipping function: ``flat`` (clip to C), ``automatic`` (normalize, Bu et al.) or ``per_layer``."""
     mode: str = "book_keeping"
+    """How per-example gradients are clipped: ``book_keeping`` (one backward pass) or ``ghost`` (two, less memory)."""
     # optimisation
     optimizer: str = "adamw"
+    """``adamw``, ``adam`` or ``sgd``."""
     lr: float = 2e-3
+    """Learning rate."""
     weight_decay: float = 0.0
     """On matrices and embeddings, not on biases and norm gains."""
     momentum: float = 0.0
@@ -194,6 +216,7 @@ class LMFinetuneConfig:
     warmup_steps: int = 0
     """Linear learning-rate warm-up; a growing batch grows over the same steps."""
     epochs: float = 1.0
+    """Passes over the training units at the final batch size (steps = floor(epochs N / B)); ignored when ``steps`` is set."""
     steps: int | None = None
     """Number of steps; when set it wins over ``epochs``."""
     batch_size: int = 64
@@ -202,22 +225,30 @@ class LMFinetuneConfig:
     batch_growth: float = 1.0
     """B grows from B / batch_growth to B over the warm-up; 1 keeps it fixed."""
     growth_stages: int = 4
+    """Number of equal steps in which a growing batch size grows from B / batch_growth to B."""
     batch_schedule: str | None = None
     """Explicit stages ``"BxS,BxS,..."`` (expected batch x steps) instead; needs ``steps``."""
     max_physical_batch_size: int = 8
+    """Most records per forward/backward chunk (memory); the logical batch and the guarantee are unchanged."""
     amp: str = "off"
     """``off`` (float32) or ``bf16``: training and validation forward passes under bfloat16
     autocast, float32 weights (dptrain.precision); norms and clipped sums in float32.
     Generation stays float32 (autocast re-casts every weight for each generated token)."""
     # evaluation and output
     eval_every: int = 20
+    """Validation perplexity every this many steps."""
     epsilon_every: int = 10
+    """Compute the epsilon spent every this many steps (logged and plotted)."""
     eval_batch_size: int = 8
+    """Records per batch when evaluating (no effect on training)."""
     max_eval_examples: int | None = 200
     """Validation records scored for perplexity (a seeded subset); null: all."""
     num_generations: int = 3
+    """Validation prompts answered greedily before and after training (generations.jsonl)."""
     max_new_tokens: int = 48
+    """Most tokens generated per validation prompt."""
     device: str = "cpu"
+    """Where the model runs: ``cpu``, ``cuda`` or ``cuda:N``."""
     num_threads: int = 0
     """torch threads for this run; 0 leaves torch's default."""
     seed: int | None = None
@@ -228,8 +259,11 @@ class LMFinetuneConfig:
     audit_canaries: int = 100_000
     """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/lm"
+    """Output folder of the run."""
     save_model: bool = True
+    """Save the model (or adapter) with privacy.json and a model card in <out>/model."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
     def __post_init__(self) -> None:
         if self.data is None or not str(self.data).strip():
@@ -239,6 +273,16 @@ class LMFinetuneConfig:
             )
         check_choice("format", self.format, _FORMATS)
         check_choice("on_too_long", self.on_too_long, ON_TOO_LONG)
+        for name in ("prompt_col", "completion_col", "text_col", "messages_col"):
+            if not str(getattr(self, name)).strip():
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not allowed: expected a column name"
+                )
+        if not self.system_prompt.strip():
+            raise ValueError(
+                f"system_prompt={self.system_prompt!r} is not allowed: expected 'default', "
+                "'none' or the text of a system prompt"
+            )
         check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
         check_choice("clipping", self.clipping, CLIPPING_FUNCTIONS)
         check_choice("mode", self.mode, CLIPPING_MODES)
@@ -286,10 +330,7 @@ class LMFinetuneConfig:
                 f"warmup_steps={self.warmup_steps} is not allowed: expected at most "
                 f"steps={self.steps}"
             )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(
-                f"device={self.device!r} is not allowed: expected 'cpu', 'cuda' or 'cuda:N'"
-            )
+        check_device(self.device)
 
     def _check_privacy(self) -> None:
         eps, sigma = self.epsilon, self.noise_multiplier
@@ -357,7 +398,15 @@ def _read_and_split(cfg: LMFinetuneConfig):
             f"data={cfg.data!r} is not allowed: no such file; expected one of {list(LM_SUFFIXES)}"
         )
     fmt = None if cfg.format == "auto" else cfg.format
-    records = read_lm_records(path, record_format=fmt, user_col=cfg.user_col)
+    records = read_lm_records(
+        path,
+        record_format=fmt,
+        user_col=cfg.user_col,
+        prompt_col=cfg.prompt_col,
+        completion_col=cfg.completion_col,
+        text_col=cfg.text_col,
+        messages_col=cfg.messages_col,
+    )
     unit = "user" if cfg.user_col is not None else "record"
     units = len(set(records.users)) if records.users is not None else len(records)
     if units < 2:
@@ -511,7 +560,10 @@ def _setup(cfg: LMFinetuneConfig) -> _Setup:
     else:
         model.requires_grad_(True)  # every parameter, the tied embedding and norms included
     tokenize = functools.partial(
-        tokenize_lm_records, tokenizer=tokenizer, max_length=cfg.max_length
+        tokenize_lm_records,
+        tokenizer=tokenizer,
+        max_length=cfg.max_length,
+        system_prompt=cfg.system_prompt,
     )
     train = tokenize(train_records, on_too_long=cfg.on_too_long)
     # Validation records are scored as they are: cut, never dropped or refused.

@@ -138,13 +138,17 @@ class MLMTrainConfig:
     max_len: int = 64
     """Chunk width in tokens, ``[CLS]`` and ``[SEP]`` included."""
     min_chunk_tokens: int = 8
+    """Drop chunks shorter than this many tokens."""
     valid_fraction: float = 0.1
+    """Share of the articles held out for validation."""
     test_fraction: float = 0.1
+    """Share of the articles held out for test."""
     split_seed: int = 0
     """Seed of the article split (fixed across runs so that all see the same data)."""
     cache_dir: str | None = None
     """Folder where the tokenizer and chunks are cached for other runs (a study's grid)."""
     mask_prob: float = 0.15
+    """Share of the tokens masked (BERT's 80/10/10 replacement)."""
     eval_mask_seed: int = 0
     """Seed of the fixed validation/test masks (and of the evaluation subset)."""
     max_eval_examples: int | None = 2000
@@ -153,30 +157,43 @@ class MLMTrainConfig:
     init_from: str | None = None
     """A local HF ``BertForMaskedLM`` folder to start from (``tokenizer`` must be its own)."""
     hidden_size: int = 128
+    """Hidden size of the BERT model."""
     num_layers: int = 2
+    """Layers."""
     num_heads: int = 4
+    """Attention heads."""
     intermediate_size: int = 512
+    """Width of the feed-forward layers."""
     dropout: float = 0.0
+    """Dropout probability of the model."""
     # privacy
     epsilon: float | None = 5.0
     """Target epsilon for the whole run (Anil et al.'s 5); ``null`` trains without privacy."""
     delta: float | str = "1/N^1.1"
     """A number, or ``1/N^1.1`` / ``1/(2N)`` with N the number of training chunks."""
     accountant: str = "pld"
+    """Accountant that calibrates sigma and reports epsilon: ``pld`` (tightest), ``rdp`` or ``gdp`` (approximate)."""
     max_grad_norm: float = 1.0
+    """C: the clipping norm of each unit's gradient."""
     clipping: str = "flat"
+    """Clipping function: ``flat`` (clip to C), ``automatic`` (normalize, Bu et al.) or ``per_layer``."""
     mode: str = "book_keeping"
+    """How per-example gradients are clipped: ``book_keeping`` (one backward pass) or ``ghost`` (two, less memory)."""
     # optimisation
     steps: int = 60
+    """Private steps of the run."""
     warmup_steps: int = 20
+    """Linear learning-rate warm-up (the batch grows over the same steps)."""
     batch_size: int = 512
     """Expected logical batch size B after the warm-up (the largest of a growing schedule)."""
     batch_growth: float = 4.0
     """B grows from B / batch_growth to B over the warm-up; 1 keeps it fixed."""
     growth_stages: int = 4
+    """Number of equal steps in which a growing batch size grows from B / batch_growth to B."""
     batch_schedule: str | None = None
     """Explicit stages ``"BxS,BxS,..."`` (expected batch x steps) instead of the growth rule."""
     max_physical_batch_size: int = 64
+    """Most records per forward/backward chunk (memory); the logical batch and the guarantee are unchanged."""
     lr: float = 5e-3
     """Peak learning rate; 5e-3 beat 2e-3 on validation loss in a 30-step private probe
     (B=128): Anil et al.'s 5e-4 is for 20K steps, far more than a CPU run takes."""
@@ -184,23 +201,33 @@ class MLMTrainConfig:
     """Decoupled weight decay lambda (AdamW, Anil et al. Alg. 1) on weight matrices and
     embeddings; biases and LayerNorm parameters are not decayed (BERT's convention)."""
     adam_beta1: float = 0.75
+    """Adam's beta1."""
     adam_beta2: float = 0.9
+    """Adam's beta2."""
     adam_eps: float = 1e-8
+    """Adam's epsilon."""
     # evaluation and output
     eval_every: int = 10
+    """Evaluate on the validation data every this many steps (epochs for seqrec)."""
     epsilon_every: int = 10
+    """Compute the epsilon spent every this many steps (logged and plotted)."""
     eval_batch_size: int = 256
+    """Records per batch when evaluating (no effect on training)."""
     num_threads: int = 0
     """torch threads for this run; 0 leaves torch's default."""
     seed: int = 0
+    """Fixes initialization, sampling and noise (reproducible, so the noise is known to anyone who knows it)."""
     audit: bool = False
     """Run the white-box one-run audit on this run (dptrain.audit.GradientCanaries): its
     lower bounds go to results.json's ``audit`` section; the canaries are in the model."""
     audit_canaries: int = 100_000
     """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/mlm"
+    """Output folder of the run."""
     save_checkpoints: bool = True
+    """Save checkpoints (a run can be resumed)."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
     def __post_init__(self) -> None:
         check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))

@@ -63,25 +63,39 @@ class _StudyGrid:
     """The grid settings (the training settings shared by every run are in ``train``)."""
 
     snr_batch_sizes: tuple[int, ...] = (128, 512, 2048)
+    """snr study: expected batch sizes compared."""
     snr_steps: int = 24
+    """snr study: steps per run."""
     snr_warmup_steps: int = 8
+    """snr study: warm-up steps per run."""
     schedule_batch_size: int = 512
+    """batch-schedule study: final expected batch size B."""
     schedule_growth: float = 4.0
+    """batch-schedule study: B grows from B / growth to B."""
     schedule_steps: int = 60
+    """batch-schedule study: steps per run."""
     schedule_warmup_steps: int = 20
+    """batch-schedule study: warm-up steps (the growth happens over them)."""
     schedule_include_small: bool = True
     """Also run a fixed batch B / growth (the schedule's starting size)."""
     target_accuracy: float | None = None
     """Validation accuracy to reach; null: target_fraction x the fixed-B run's best."""
     target_fraction: float = 0.95
+    """Share of the fixed-B run's best validation accuracy taken as the target."""
     wd_values: tuple[float, ...] = (0.0, 0.1, 1.0, 10.0)
+    """weight-decay study: decoupled weight decays compared."""
     wd_batch_size: int = 256
+    """weight-decay study: expected batch size."""
     wd_steps: int = 60
+    """weight-decay study: steps per run."""
     wd_warmup_steps: int = 20
+    """weight-decay study: warm-up steps."""
     wd_nonprivate_reference: bool = True
+    """weight-decay study: also train without privacy as a reference."""
     workers: int = 1
     """Runs in parallel (spawned processes); with workers > 1 give each run num_threads=1."""
     out: str = "runs/mlm_studies"
+    """Output folder; each study writes to <out>/<study>."""
 
     def __post_init__(self) -> None:
         for name in ("snr_steps", "schedule_steps", "wd_steps", "workers"):
@@ -134,6 +148,7 @@ class MLMStudyConfig(_StudyGrid):
     """The grids of the three studies and the training settings every run shares."""
 
     train: MLMTrainConfig = dataclasses.field(default_factory=MLMTrainConfig)
+    """Training settings shared by every run: any key of ``dptrain train mlm``, given flat."""
 
 
 def load_mlm_study_config(

@@ -102,53 +102,82 @@ class SeqRecTrainConfig:
     data: str = "ml-100k"
     """``ml-100k`` (packaged), ``news`` (next-word, packaged) or a CSV/TSV/Parquet path."""
     user_col: str = "user_id"
+    """Column of user ids in a data file."""
     item_col: str = "item_id"
+    """Column of item ids in a data file."""
     time_col: str = "timestamp"
+    """Column of timestamps in a data file (orders each user's sequence)."""
     min_count: int = 5
+    """Drop users and items with fewer than this many interactions."""
     max_len: int = 50
+    """Keep each user's last max_len items."""
     news_vocab_size: int = 5000
+    """Vocabulary size of ``data=news`` (most frequent words)."""
     # model
     model: str = "dpformer"
+    """``dpformer``, ``transformer``, ``transformer-untied``, ``gru``, ``lstm`` or ``most-popular``."""
     d_model: int = 64
+    """Hidden size of the model."""
     n_head: int = 1
+    """Attention heads."""
     n_layer: int = 2
+    """Layers."""
     dropout: float = 0.2
+    """Dropout probability of the model."""
     pre_ln: bool = True
+    """LayerNorm before (true) or after (false) each sub-block."""
     # privacy
     epsilon: float | None = 8.0
     """Target epsilon for the whole run; ``null`` trains without privacy."""
     delta: float | str = "1/N^1.1"
     """A number, or ``1/N^1.1`` / ``1/(2N)`` with N the number of training records."""
     accountant: str = "pld"
+    """Accountant that calibrates sigma and reports epsilon: ``pld`` (tightest), ``rdp`` or ``gdp`` (approximate)."""
     max_grad_norm: float = 1.0
+    """C: the clipping norm of each unit's gradient."""
     clipping: str = "automatic"
+    """Clipping function: ``flat`` (clip to C), ``automatic`` (normalize, Bu et al.) or ``per_layer``."""
     mode: str = "book_keeping"
+    """How per-example gradients are clipped: ``book_keeping`` (one backward pass) or ``ghost`` (two, less memory)."""
     frequencies: str = "dp"
     """Item frequencies for Re-Attention: ``dp`` (a DP histogram, charged to the
     budget) or ``train`` (the paper's assumption that they are public; the
     released model then depends on them outside the guarantee)."""
     frequency_noise_multiplier: float = 20.0
+    """Noise multiplier of the DP item-frequency histogram (``frequencies=dp``)."""
     # optimisation
     epochs: int = 100
+    """Passes over the users (steps = floor(epochs / q))."""
     batch_size: int = 128
+    """Expected logical batch size B of users (q = B / N)."""
     lr: float = 1e-3
+    """Learning rate."""
     weight_decay: float = 0.0
+    """Weight decay of the optimizer."""
     warmup_fraction: float = 0.2
+    """Share of the steps spent warming the learning rate up linearly."""
     max_physical_batch_size: int | None = None
+    """Most records per forward/backward chunk (memory); the logical batch and the guarantee are unchanged."""
     # evaluation and output
     eval_every: int = 1
+    """Evaluate on the validation users every this many epochs."""
     eval_batch_size: int = 512
+    """Records per batch when evaluating (no effect on training)."""
     num_threads: int = 0
     """torch threads for this run; 0 leaves torch's default (small models run best on 1)."""
     seed: int = 0
+    """Fixes initialization, sampling and noise (reproducible, so the noise is known to anyone who knows it)."""
     audit: bool = False
     """Run the white-box one-run audit on this run (dptrain.audit.GradientCanaries): its
     lower bounds go to results.json's ``audit`` section; the canaries are in the model."""
     audit_canaries: int = 100_000
     """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/seqrec"
+    """Output folder of the run."""
     save_checkpoints: bool = True
+    """Save a checkpoint each epoch (a run can be resumed)."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
     def __post_init__(self) -> None:
         check_choice("model", self.model, MODELS)

@@ -82,7 +82,7 @@ from dptrain.accounting import (
     steps_from_epochs,
 )
 from dptrain.audit.gradient_canaries import GradientCanaries
-from dptrain.clipping.engine import upcast
+from dptrain.clipping.precision import upcast
 from dptrain.config import save_config
 from dptrain.data.e2e import load_e2e
 from dptrain.losses import per_example_cross_entropy
@@ -104,6 +104,7 @@ from dptrain.recipes._common import (
     resolve_delta,
 )
 from dptrain.recipes._schedules import lr_lambda
+from dptrain.supported import check_device
 
 __all__ = [
     "DECODE_BATCHING",
@@ -161,33 +162,47 @@ class Table2TextConfig:
     """LoRA rank on ``lora_targets`` of ``pretrained``, the base frozen; 0 trains every
     parameter (the tied embedding by phantom clipping)."""
     lora_alpha: float = 16.0
+    """LoRA scaling alpha (the update is scaled by alpha / r)."""
     lora_targets: tuple[str, ...] = LLAMA_PROJECTIONS
+    """Linear modules of ``pretrained`` that get adapters (Llama's seven projections by default)."""
     n_layer: int = 2
+    """Layers of a GPT-2 built from scratch."""
     n_embd: int = 128
+    """Hidden size of a GPT-2 built from scratch."""
     n_head: int = 4
+    """Attention heads of a GPT-2 built from scratch."""
     dropout: float = 0.0
+    """Dropout probability of the model."""
     # privacy
     epsilon: float | None = 3.0
     """Target epsilon for the whole run; ``null`` trains without privacy."""
     delta: float | str = "1/(2N)"
     """A number, or ``1/(2N)`` (Li et al.) / ``1/N^1.1`` with N the training pairs."""
     accountant: str = "pld"
+    """Accountant that calibrates sigma and reports epsilon: ``pld`` (tightest), ``rdp`` or ``gdp`` (approximate)."""
     max_grad_norm: float = 0.1
     """The clipping norm C (Li et al.: 0.1)."""
     clipping: str = "flat"
+    """Clipping function: ``flat`` (clip to C), ``automatic`` (normalize, Bu et al.) or ``per_layer``."""
     mode: str = "book_keeping"
+    """How per-example gradients are clipped: ``book_keeping`` (one backward pass) or ``ghost`` (two, less memory)."""
     loss_reduction: str = "mean"
     """Per-example loss over its text tokens: ``mean`` or ``sum`` (see the module docstring)."""
     # optimisation
     epochs: int = 20
+    """Passes over the training pairs (steps = floor(epochs / q))."""
     batch_size: int = 256
     """Expected logical batch size B (q = B / N); the non-private run uses it as is."""
     lr: float = 2e-3
+    """Learning rate."""
     lr_schedule: str = "constant"
     """``constant`` (Li et al.) or ``linear`` (warm-up then linear decay to 0)."""
     warmup_fraction: float = 0.0
+    """Share of the steps spent warming the learning rate up linearly."""
     weight_decay: float = 0.0
+    """Weight decay of the optimizer."""
     max_physical_batch_size: int = 64
+    """Most records per forward/backward chunk (memory); the logical batch and the guarantee are unchanged."""
     amp: str = "off"
     """``off`` (float32) or ``bf16``: training and validation forward passes under bfloat16
     autocast, float32 weights (dptrain.precision); clipped sums are formed in float32.
@@ -196,8 +211,11 @@ class Table2TextConfig:
     decoding slower, not faster (docs/lm.md)."""
     # evaluation and output
     eval_batch_size: int = 64
+    """Records per batch when evaluating (no effect on training)."""
     beam_size: int = 5
+    """Beams of beam-search decoding."""
     max_new_tokens: int = 64
+    """Most tokens decoded per table."""
     no_repeat_ngram_size: int = 0
     """Forbid repeating n-grams of this size in decoding (0: off, the default)."""
     decode_batching: str = "by_length"
@@ -208,20 +226,26 @@ class Table2TextConfig:
     max_valid_tables: int | None = 100
     """Decode at most this many distinct validation tables (beam) for selection; 0: none."""
     decode_test: bool = True
+    """Decode the test tables (greedy and beam) and score BLEU / ROUGE-L."""
     n_samples: int = 8
+    """Sample generations written to samples.md."""
     num_threads: int = 0
     """torch threads for this run; 0 leaves torch's default."""
     device: str = "cpu"
     """Where the model trains and decodes: ``cpu``, ``cuda`` or ``cuda:N``."""
     seed: int = 0
+    """Fixes initialization, sampling and noise (reproducible, so the noise is known to anyone who knows it)."""
     audit: bool = False
     """Run the white-box one-run audit on this run (dptrain.audit.GradientCanaries): its
     lower bounds go to results.json's ``audit`` section; the canaries are in the model."""
     audit_canaries: int = 100_000
     """Canaries of the audit (at most the trainable coordinates)."""
     out: str = "runs/table2text"
+    """Output folder of the run."""
     save_checkpoint: bool = True
+    """Save the trained model in the run folder."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
     def __post_init__(self) -> None:
         check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
@@ -269,10 +293,7 @@ class Table2TextConfig:
                 f"n_embd={self.n_embd} is not allowed with n_head={self.n_head}: "
                 "expected a multiple of n_head"
             )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(
-                f"device={self.device!r} is not allowed: expected 'cpu', 'cuda' or 'cuda:N'"
-            )
+        check_device(self.device)
         if self.init_from is not None and not Path(self.init_from).is_dir():
             raise ValueError(
                 f"init_from={self.init_from!r} is not allowed: expected a local folder holding "
@@ -1041,7 +1062,9 @@ def train_table2text(cfg: Table2TextConfig) -> dict[str, Any]:
         "n_train_pairs": n,
         "n_valid_pairs": len(splits.valid),
         "n_train_truncated": fitted.n_truncated,
-        "privacy_unit": "example (one table-text pair)",
+        # the unit's name as every other results.json says it; what it is, in words, apart
+        "privacy_unit": "example",
+        "privacy_unit_detail": "one table-text pair",
         "tokenizer_scope": fitted.tokenizer_note,
         "train_wall_time_s": fitted.wall_s,
         "decode_wall_time_s": decode_s,

@@ -70,11 +70,15 @@ class Table2TextStudyConfig:
     batch_sizes: tuple[int, ...] = (16, 64, 256, 1024)
     """Expected logical batch sizes B (q = B / N; N ~ 3.9k training pairs on E2E dev)."""
     lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3, 3e-3)
+    """Learning rates of the grid."""
     epsilon: float = 3.0
+    """Target epsilon of every run."""
     seeds: int = 1
+    """Training seeds per cell (0 .. seeds-1)."""
     workers: int = 1
     """Runs in parallel (processes); give each run num_threads=1."""
     out: str = "runs/table2text_study"
+    """Output folder of the grid."""
     train: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Table2TextConfig fields (not batch_size / lr / epsilon / seed / out), as given."""
 

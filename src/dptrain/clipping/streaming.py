@@ -1,0 +1,281 @@
+"""Per-example gradients formed during the backward, as output gradients arrive.
+
+For modules whose per-example gradients are smaller than the record they come
+from (LoRA's ``lora_A``/``lora_B`` with r << T, norm layers' d-vectors), the
+engine forms them the moment the module's output gradient ``g`` exists and lets
+``g`` and the recorded input go, as a non-private backward would: "streamed"
+modules. The others' output gradients are captured and handed back at the end
+of the backward (:meth:`Streaming.output_gradients`).
+
+Which modules may stream follows from structure (their rule and parameters,
+:func:`streamable_uses`); whether one does in a backward follows from shapes
+(:meth:`Streaming.streams`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+
+from dptrain.clipping.errors import UnsupportedModelError
+from dptrain.clipping.records import (
+    Call,
+    Use,
+    example_rows,
+    examples_first,
+    for_rule,
+    own_params,
+)
+from dptrain.clipping.rules import LayerRule, _param, _trainable
+
+__all__ = ["Streaming", "streamable_uses"]
+
+
+def streamable_uses(uses: list[Use], shared: set[int]) -> set[Use]:
+    """Modules whose per-example gradients may be formed during the backward: a written
+    rule that reads rows of (a, g) with ``a`` the module's first argument and g its
+    output's gradient (not a replay, a raw channels-first layout, a lookup read from
+    the graph or a rule that changes the call), and parameters of their own (a shared
+    or tied one, ``shared`` by id, needs every use's record together)."""
+    return {
+        u
+        for u in uses
+        if not getattr(u.rule, "replays", False)
+        and not getattr(u.rule, "raw_layout", False)
+        and not getattr(u.rule, "lookup_from_graph", False)
+        and u.rule.forward_pre_hook is None
+        and type(u.rule).recorded_input is LayerRule.recorded_input
+        and own_params(u)
+        and not any(id(p) in shared for p in own_params(u))
+    }
+
+
+class Streaming:
+    """Which modules stream, the taps that make autograd reach them, and the backward of
+    sum_i L_i that forms their per-example gradients on the way.
+
+    Args:
+        uses: the engine's clipped modules.
+        shared: ids of parameters with several uses (never streamed).
+        ghost: whether a module's norm is ghost-computed from given (a, g) (then its
+            per-example gradients are never instantiated, so it does not stream).
+        per_example: where streamed modules' per-example gradients go, {use: {name:
+            (b, *shape)}} (the dict the norms and sums read).
+    """
+
+    def __init__(
+        self,
+        uses: list[Use],
+        shared: set[int],
+        ghost: Callable[[Use, Tensor, Tensor], bool],
+        per_example: Callable[[], dict[Use, dict[str, Tensor]]],
+    ):
+        self.streamable = streamable_uses(uses, shared)
+        self._ghost = ghost
+        self._per_example = per_example
+        self._choices: dict[tuple, bool] = {}  # streams' answers by shapes
+        # A leaf per device that inputs needing no gradient of streamable modules are tied
+        # to (Tap): requested in the backward, it makes autograd run their nodes.
+        self._anchors: dict[torch.device, Tensor] = {}
+
+    def tap(self, use: Use, recording: Callable[[], bool]):
+        """A forward pre-hook that ties the module's input to the anchor where the input
+        needs no gradient (LoRA's lowest lora_A, a first layer): a streamed call's output
+        node runs only if autograd has a requested input below it, and there is none
+        below such a call otherwise (output_gradients). Other inputs are left alone: the
+        graph below them reaches a requested input already, and a Python node on the
+        residual stream of every layer perturbs glibc's heap (+120-150 MB resident for
+        SmolLM2 full fine-tuning, with the same bytes allocated). ``recording()``: whether
+        this forward is one the engine records (not a recomputation, replay or re-run)."""
+
+        def hook(module, args, kwargs):
+            if not recording() or not args or not isinstance(args[0], Tensor):
+                return None
+            x = args[0]
+            if x.requires_grad or not x.is_floating_point() or not own_params(use):
+                return None
+            anchor = self._anchors.get(x.device)
+            if anchor is None:
+                anchor = self._anchors[x.device] = torch.zeros((), device=x.device).requires_grad_()
+            return (Tap.apply(x, anchor), *args[1:]), kwargs
+
+        return hook
+
+    def streams(self, use: Use, calls: list[Call], b: int) -> bool:
+        """Whether ``use``'s per-example gradients are formed as its output gradients arrive.
+
+        Yes where the engine instantiates them anyway (not ghost-normed) and they are
+        smaller than the record they replace: b * numel(parameters) < numel(a) + numel(g)
+        (LoRA's lora_A / lora_B with r << T, norm layers' d-vectors). Book-keeping keeps
+        them until the clip factors are known in either case; streaming lets a and g go
+        during the backward instead of holding both until its end.
+        """
+        if use not in self.streamable or b == 0:
+            return False
+        # the same shapes give the same answer (about 0.25 ms a module to work out)
+        key = (use, b, tuple((c.a_shape, c.out_shape) for c in calls))
+        if key not in self._choices:
+            self._choices[key] = self._streams_for_shapes(use, calls, b)
+        return self._choices[key]
+
+    def _streams_for_shapes(self, use: Use, calls: list[Call], b: int) -> bool:
+        # The record build_records would make, as shapes only (meta tensors: no memory).
+        parts = [
+            example_rows(use, c.a.to("meta"), torch.empty(c.out_shape, device="meta"), b)
+            for c in calls
+        ]
+        a = torch.cat([p[0] for p in parts], 1)
+        g = torch.cat([p[1] for p in parts], 1)
+        if self._ghost(use, a, g):
+            return False
+        return b * sum(p.numel() for p in own_params(use)) < a.numel() + g.numel()
+
+    def output_gradients(
+        self,
+        losses: Tensor,
+        calls: list[tuple[Use, Call]],
+        streamed: set[Use],
+        b: int,
+        leaves: list,
+        *,
+        retain: bool,
+        parts: dict | None,
+    ) -> tuple:
+        """One backward of sum_i L_i: each call's output gradient g, examples first, or None
+        for the calls of ``streamed`` modules.
+
+        The output gradients of the other calls are captured (autograd hands them all
+        back at the end). For a streamed module, a pre-hook on its output's node forms
+        the per-example gradients from (a, g) the moment g exists, into
+        ``per_example()``, and lets g (and the recorded input) go, as a non-private
+        backward would. Autograd runs only the nodes on a path to a requested input, so
+        the ``leaves`` the graph reaches other than the clipped parameters are requested
+        too: the anchors (tap; they get no gradient) and any input that needs a gradient
+        (HF's enable_input_require_grads), whose gradients are dropped. Below a streamed
+        call lies one of them or a captured call; the missed check makes sure.
+        (Requesting the streamed modules' parameters would run the nodes too, but hand
+        their summed gradients to any hook on them, and keeping those small gradients
+        while a retained graph holds every activation fragments the heap: +280 MB
+        resident for SmolLM2 LoRA on the checked chunk, with glibc.)
+        ``parts``: a dict on a checked chunk, which then gets each streamed call's
+        (per-example gradients, g's dtype, g's device), or None where g was None (for
+        the self-check's completeness test and tolerances, self_check.py).
+        """
+        wanted = [c.edge for u, c in calls if u not in streamed]
+        if streamed:
+            wanted += [GradientEdge(node, 0) for node in leaves]
+        by_node: dict[int, tuple] = {}
+        for u, c in calls:
+            if u in streamed:
+                by_node.setdefault(id(c.edge.node), (c.edge.node, []))[1].append((u, c))
+        slots = Slots([u for u in dict.fromkeys(u for u, _ in calls) if u in streamed], b)
+        fired: set[Call] = set()
+
+        def stream(node_calls):
+            def hook(grad_outputs):
+                for u, c in node_calls:
+                    fired.add(c)
+                    self._stream(u, c, grad_outputs[c.edge.output_nr], b, parts, slots)
+
+            return hook
+
+        handles = [node.register_prehook(stream(cs)) for node, cs in by_node.values()]
+        try:
+            got = torch.autograd.grad(losses.sum(), wanted, allow_unused=True, retain_graph=retain)
+        finally:
+            for h in handles:
+                h.remove()
+        # Every streamed call lies on the losses' graph with a requested input below it, so
+        # autograd ran its node; one it did not would lose that gradient without a sign.
+        missed = [u.name for u, c in calls if u in streamed and c not in fired]
+        if missed:
+            raise UnsupportedModelError(
+                f"no output gradient reached {', '.join(sorted(set(missed)))} during the "
+                "backward, though the losses depend on it: its per-example gradients could "
+                "not be formed"
+            )
+        got = iter(got)
+        grads = tuple(None if u in streamed else next(got) for u, _ in calls)
+        return examples_first([c for _, c in calls], grads)
+
+    def _stream(self, use: Use, call: Call, g: Tensor | None, b: int, parts, slots) -> None:
+        """Form ``call``'s per-example gradients from (a, g) and add them to the module's
+        (in ``slots``, one buffer for all streamed modules)."""
+        if g is None:  # this call did not reach the loss
+            if parts is not None:
+                parts[call] = None
+            return
+        a, rows = for_rule(use.rule, *example_rows(use, call.a, g, b))
+        grads = use.rule.per_example(use.module, a, rows)
+        per_example = self._per_example()
+        acc = per_example.get(use)
+        if acc is None:
+            grads = per_example[use] = slots.hold(use, grads)
+        elif parts is None:
+            for k, v in grads.items():
+                acc[k].add_(v)
+        else:  # out of place: a checked call's own part stays as it was (parts)
+            per_example[use] = {k: acc[k] + v for k, v in grads.items()}
+        if parts is not None:
+            parts[call] = (grads, g.dtype, g.device)
+        call.a = None  # its last reader: the input goes when autograd frees it
+
+
+class Slots:
+    """One buffer for the per-example gradients of every streamed module of a backward.
+
+    They are formed one module at a time while the backward runs and kept until its
+    end. As separate tensors, these hundreds of small allocations, made while a retained
+    graph (the checked chunk) holds every activation, land above each layer's freed
+    temporaries and pin them: glibc's heap then grew by about 260 MB over SmolLM2 LoRA's
+    30 layers (resident memory that is never returned), against none with one buffer.
+    It is allocated at the first module's gradients, after the loss's own backward (the
+    step's peak) has passed; each module's are copied into their slot, so nothing keeps
+    a temporary (or a view of g) alive.
+    """
+
+    def __init__(self, uses: list[Use], b: int):
+        self.b = b
+        self.slots: dict[tuple[Use, str], tuple[int, int]] = {}  # (offset, numel)
+        self.numel = 0
+        for use in uses:
+            for name in use.rule.param_names:
+                p = _param(use.module, name)
+                if _trainable(p):
+                    self.slots[(use, name)] = (self.numel, b * p.numel())
+                    self.numel += b * p.numel()
+        self.buffer: Tensor | None = None
+
+    def hold(self, use: Use, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``grads`` copied into ``use``'s slots (a copy of its own where one does not fit)."""
+        out = {}
+        for name, v in grads.items():
+            if self.buffer is None:
+                self.buffer = v.new_empty(self.numel)
+            at, n = self.slots.get((use, name), (0, -1))
+            if n != v.numel() or v.dtype != self.buffer.dtype or v.device != self.buffer.device:
+                out[name] = v.clone()
+                continue
+            out[name] = self.buffer[at : at + n].view(v.shape)
+            out[name].copy_(v)
+        return out
+
+
+class Tap(torch.autograd.Function):
+    """Identity on a streamable module's input x that also leads to the anchor, a leaf:
+    requesting the anchor's gradient makes autograd run the module's nodes, so the
+    pre-hook on its output node sees g, while nothing else is requested or kept. The
+    anchor gets no gradient (None), and x's gradient passes through unchanged.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, anchor: Tensor) -> Tensor:
+        ctx.set_materialize_grads(False)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None):
+        return (grad if ctx.needs_input_grad[0] else None), None

@@ -1,0 +1,244 @@
+"""Per-example gradient norms and clipped sums, from the records of one backward.
+
+Given each module's record ``(a, g)`` (examples first, :mod:`dptrain.clipping.records`)
+and the per-example gradients already formed for streamed modules
+(:mod:`dptrain.clipping.streaming`), :class:`NormsAndSums` computes
+
+- each clipped parameter's squared per-example norms, (B,): ghost norm or
+  instantiation per layer (the rule's ``norm_choice`` and the cost rule), phantom
+  clipping for an embedding tied to output layers, and per-example gradients summed
+  over uses for any other shared parameter;
+- each parameter's weighted sum sum_i c_i grad_i from the same records
+  (book-keeping, Bu et al. 2023), one parameter at a time, freeing each module's
+  record as soon as every parameter that reads it has its sum.
+
+Clip factors (flat, automatic, per layer) are the engine's; here they are given.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from dptrain.clipping.phantom import phantom_cross_term
+from dptrain.clipping.records import Use, for_rule
+from dptrain.clipping.rules import (
+    EmbeddingRule,
+    LayerRule,
+    LinearRule,
+    embedding_ghost_norm,
+    gram_cache,
+    gram_inner,
+    weighted_sum,
+)
+
+__all__ = ["NormsAndSums", "is_tied"]
+
+#: (a, g) per module, examples first.
+Records = dict[Use, tuple[Tensor, Tensor]]
+
+
+def is_tied(uses: list[tuple[Use, str]]) -> bool:
+    """An embedding weight shared by lookups and output layers (tied LM heads, T5, BART)."""
+    # Exact LinearRule: Conv1D (a LinearRule subclass) stores its weight transposed.
+    return (
+        len(uses) >= 2
+        and all(attr == "weight" for _, attr in uses)
+        and all(isinstance(u.rule, EmbeddingRule) or type(u.rule) is LinearRule for u, _ in uses)
+        and any(isinstance(u.rule, EmbeddingRule) for u, _ in uses)
+    )
+
+
+class NormsAndSums:
+    """Norms and weighted sums of a model's clipped parameters from one backward's records.
+
+    Args:
+        groups: parameter name -> its uses [(module use, attribute)]; a shared
+            parameter has several.
+        norm_method: ``"auto"`` (the rule's cost comparison), ``"ghost"`` or
+            ``"instantiate"`` for layers that can do either.
+    """
+
+    def __init__(self, groups: dict[str, list[tuple[Use, str]]], norm_method: str):
+        self.groups = groups
+        self.norm_method = norm_method
+        self.per_example: dict[Use, dict[str, Tensor]] = {}
+        """Per-example gradients {name: (B, *shape)} by module: formed during the backward
+        for streamed modules, or for the norm of an instantiated one (kept for the sum)."""
+        self.views: dict[Use, LayerRule] = {}
+        """Rules that read this backward's records differently from the module's own (the
+        unfolded view of a raw-layout rule)."""
+        # The modules whose every parameter is a tied weight: their norms come from the
+        # tied computation alone (phantom clipping), never from their own rule.
+        tied = {n for n, uses in groups.items() if is_tied(uses)}
+        owned: dict[int, list[str]] = defaultdict(list)
+        for n, uses in groups.items():
+            for u, _ in uses:
+                owned[id(u)].append(n)
+        self._tied_only = {k for k, names in owned.items() if all(n in tied for n in names)}
+
+    def clear(self) -> None:
+        self.per_example = {}
+        self.views = {}
+
+    def rule(self, use: Use) -> LayerRule:
+        """The rule that reads ``use``'s record: its own, or an unfolded view of it."""
+        return self.views.get(use, use.rule)
+
+    def ghost(self, use: Use, a: Tensor, g: Tensor) -> bool:
+        """Whether ``use``'s norm is computed by the ghost norm (no per-example gradients)."""
+        rule = self.rule(use)
+        if rule.norm_choice != "either":
+            return rule.norm_choice == "ghost"
+        if self.norm_method != "auto":
+            return self.norm_method == "ghost"
+        return rule.ghost_is_cheaper(use.module, a, g)
+
+    def recorded(self, use: Use, records: Records) -> bool:
+        """Whether ``use`` has this backward's record or its per-example gradients."""
+        return use in records or use in self.per_example
+
+    def reached(self, records: Records) -> list[str]:
+        """Names of the parameters some record (or streamed module) of this backward reaches."""
+        return [
+            n for n, uses in self.groups.items() if any(self.recorded(u, records) for u, _ in uses)
+        ]
+
+    # -- norms ------------------------------------------------------------------------------
+
+    def norms_sq(self, records: Records, keep: bool) -> dict[str, Tensor]:
+        """Parameter name -> (B,) squared per-example gradient norms. ``keep``: keep the
+        per-example gradients instantiated on the way, for the sum (book-keeping)."""
+        # The streamed modules' per-example gradients exist already (no record).
+        per_module = {u: _squared_norms(grads) for u, grads in self.per_example.items()}
+        if not keep:  # the second backward forms the sum: norms suffice
+            self.per_example = {}
+        with gram_cache():
+            for use, (a, g) in records.items():
+                if id(use) not in self._tied_only:
+                    per_module[use] = self._module_norms_sq(use, a, g, keep)
+        out = {}
+        for name, uses in self.groups.items():
+            present = [(u, attr) for u, attr in uses if u in records or u in per_module]
+            if not present:
+                continue
+            if len(uses) == 1:
+                u, attr = present[0]
+                out[name] = per_module[u][attr]
+            elif is_tied(uses):
+                out[name] = _tied_norm_sq(present, records)
+            else:
+                out[name] = self._shared_per_example(present, records).flatten(1).pow(2).sum(1)
+        return out
+
+    def _module_norms_sq(self, use: Use, a: Tensor, g: Tensor, keep: bool) -> dict[str, Tensor]:
+        if self.ghost(use, a, g):
+            return self.rule(use).norms_sq(use.module, *for_rule(self.rule(use), a, g), True)
+        per_example = self.rule(use).per_example(use.module, *for_rule(self.rule(use), a, g))
+        if keep:  # reused for the clipped sum
+            self.per_example[use] = per_example
+        return _squared_norms(per_example)
+
+    def _shared_per_example(self, present, records: Records) -> Tensor:
+        """Sum over uses of the per-example gradients of one shared parameter."""
+        total = None
+        for u, attr in present:
+            a, g = for_rule(self.rule(u), *records[u])
+            part = self.rule(u).per_example(u.module, a, g)[attr]
+            total = part if total is None else total + part
+        return total
+
+    # -- weighted sums ----------------------------------------------------------------------
+
+    def weighted_sum(self, name: str, records: Records, c: Tensor, cache: dict) -> Tensor:
+        """sum_i c_i grad_i of parameter ``name`` from its uses' records (``cache``: the
+        rules' whole-module sums, keyed by (use, id(c)))."""
+        present = [(u, attr) for u, attr in self.groups[name] if self.recorded(u, records)]
+        return self._weighted_sum_of(name, present, records, c, cache)
+
+    def drain(
+        self, records: Records, factor_of: Callable[[str], Tensor]
+    ) -> Iterator[tuple[str, Tensor]]:
+        """Yield (parameter name, sum_i c_i grad_i), one parameter at a time, from the
+        stored (a, g); ``factor_of(name)`` -> c.
+
+        Consumes ``records``: a module's record (with its recorded calls and per-example
+        gradients) is dropped as soon as every parameter that reads it has its sum, so
+        book-keeping never holds all records and all sums at once.
+        """
+        pending: dict[Use, int] = defaultdict(int)
+        for uses in self.groups.values():
+            for u, _ in uses:
+                if self.recorded(u, records):
+                    pending[u] += 1
+        # rule.clipped_sum gives all of a module's parameters at once; kept per factor
+        # tensor, since per-layer clipping may give a module's parameters different ones
+        sums: dict[tuple[Use, int], dict[str, Tensor]] = {}
+        for name, uses in self.groups.items():
+            present = [(u, attr) for u, attr in uses if self.recorded(u, records)]
+            if not present:
+                continue
+            grad = self._weighted_sum_of(name, present, records, factor_of(name), sums)
+            yield name, grad
+            del grad
+            for u, _ in present:
+                pending[u] -= 1
+                if pending[u] == 0:
+                    records.pop(u, None)
+                    self.per_example.pop(u, None)
+                    u.calls.clear()
+                    for key in [k for k in sums if k[0] is u]:
+                        del sums[key]
+
+    def _weighted_sum_of(self, name, present, records: Records, c: Tensor, sums: dict) -> Tensor:
+        if len(self.groups[name]) > 1 and not is_tied(self.groups[name]):
+            return weighted_sum({name: self._shared_per_example(present, records)}, c)[name]
+        grad = None
+        for u, attr in present:
+            if u in self.per_example:
+                part = weighted_sum({attr: self.per_example[u][attr]}, c)[attr]
+            else:
+                key = (u, id(c))
+                if key not in sums:
+                    a, g = for_rule(self.rule(u), *records[u])
+                    sums[key] = self.rule(u).clipped_sum(u.module, a, g, c)
+                part = sums[key][attr]
+            grad = part if grad is None else grad + part
+        return grad
+
+
+def _tied_norm_sq(present, records: Records) -> Tensor:
+    """||sum_k X_k^T G_k + sum_l G_out,l^T H_l||^2: phantom clipping (DESIGN.md).
+
+    The embedding uses (lookups) are concatenated along tokens, as are the
+    linear uses (output layers): both gradients are sums over tokens. Then
+    ||X^T G_in||^2 + ||G_out^T H||^2 + 2 <X^T G_in, G_out^T H>; adding the two
+    ghost norms alone would drop the cross term and be wrong.
+    """
+    embs = [u for u, _ in present if isinstance(u.rule, EmbeddingRule)]
+    lins = [u for u, _ in present if not isinstance(u.rule, EmbeddingRule)]
+    total = 0
+    if embs:
+        x = _cat([records[u][0] for u in embs])
+        g_in = _cat([u.rule.masked(u.module, *for_rule(u.rule, *records[u])) for u in embs])
+        total = total + embedding_ghost_norm(x, g_in)
+    if lins:
+        h = _cat([records[u][0] for u in lins])
+        g_out = _cat([records[u][1] for u in lins])  # (a copy of a 49,152-wide head: avoid)
+        total = total + gram_inner(h, g_out)
+    if embs and lins:
+        total = total + 2 * phantom_cross_term(x, g_in, h, g_out)
+    return total
+
+
+def _squared_norms(per_example: dict[str, Tensor]) -> dict[str, Tensor]:
+    """{name: (B,) squared norms} of per-example gradients {name: (B, *shape)}."""
+    return {k: v.flatten(1).pow(2).sum(1) for k, v in per_example.items()}
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    """Concatenation along tokens; one part is returned as it is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)

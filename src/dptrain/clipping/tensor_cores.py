@@ -1,0 +1,165 @@
+"""Matrix products on low-precision records, with float32 results, and clipped sums
+whose scaling loses nothing.
+
+Under bf16 autocast or with bf16 weights, a clipped module's record ``(a, g)`` is
+bf16. Every product of two bf16 numbers is exact in float32 (8 + 8 significant
+bits <= 24), so a GEMM with bf16 operands and float32 accumulation and output
+computes the same sums of the same exact products as a float32 GEMM on the
+upcast record: only the order of the float32 additions differs. On CUDA such a
+GEMM runs on tensor cores (``torch.mm(..., out_dtype=torch.float32)``); elsewhere
+the operands are upcast and the GEMM runs in float32 (:func:`mm_f32`,
+:func:`bmm_f32`). Norms (Gram matrices, instantiated per-example gradients) use
+these products directly.
+
+The clipped sum sum_i c_i a_i^T g_i needs one scaled operand, c_i g_i. Rounding
+c_i g_i to bf16 would change example i's contribution by up to 2^-8 of each
+entry, and the norm of that change is not bounded by 2^-8 of the clipped norm
+(tokens' contributions cancel: the bound grows with the number of tokens), so
+one record could move the sum by more than C. Instead (:func:`scaled_split`):
+
+1. each factor is rounded *down* to 8 significant bits (:func:`round_down_bf16`),
+   at most 2^-7 (0.8%) below c_i: a smaller factor only shrinks the contribution;
+2. c_i g_t is then a product of two 8-bit significands: 16 significant bits,
+   exact in float32, and exactly hi + lo with hi = bf16(c_i g_t) and lo =
+   c_i g_t - hi, each representable in bf16 (|lo| is at most half a unit of hi's
+   last place and a whole multiple of the product's last place: at most 8 bits);
+3. a^T (c g) = a^T hi + a^T lo: two bf16 GEMMs with float32 accumulation.
+
+So the contribution summed is exactly c'_i a_i^T g_i with c'_i <= c_i, up to
+float32 accumulation, the same rounding as a float32 GEMM has (the one a float32
+implementation also has, and which every float32 DP implementation leaves out of
+its bound: relative 2^-24 per addition). The one exception: a lo part below
+bf16's normal range (|c g| < 2^-118) loses bits, an absolute error below 2^-126
+per entry. docs/engine.md, "Precision", states the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "LOW_PRECISION_RECORDS",
+    "bmm_f32",
+    "flops_emulated",
+    "mm_f32",
+    "ops_emulated",
+    "round_down_bf16",
+    "scaled_cross",
+    "scaled_split",
+    "split_bf16",
+    "tensor_cores",
+]
+
+#: Record dtypes whose products are formed as bf16/fp16 GEMMs with float32 output.
+LOW_PRECISION_RECORDS = (torch.bfloat16, torch.float16)
+
+# FLOPs of GEMMs that run on tensor cores on CUDA but were computed in float32 here (no
+# float32-output low-precision GEMM on this device), and FLOPs CUDA runs that this device
+# did not (the second GEMM of a split clipped sum): the CPU proxies count the step as it
+# would run on a GPU (benchmarks/cpu_proxies.py). Counted only while on.
+_EMULATED = {"on": False, "flops": 0, "extra": 0, "ops": 0}
+
+
+def flops_emulated(reset: bool = False, on: bool | None = None) -> tuple[int, int]:
+    """(FLOPs of float32 GEMMs here that are low-precision GEMMs on CUDA, FLOPs of GEMMs
+    CUDA adds) since the last reset; ``on`` switches counting."""
+    n = (_EMULATED["flops"], _EMULATED["extra"])
+    if reset:
+        _EMULATED["flops"] = _EMULATED["extra"] = _EMULATED["ops"] = 0
+    if on is not None:
+        _EMULATED["on"] = on
+    return n
+
+
+def tensor_cores(*tensors: Tensor) -> bool:
+    """Whether products of these tensors are formed as low-precision GEMMs with float32
+    output: all bf16 (or all fp16) on a CUDA device."""
+    first = tensors[0]
+    return (
+        first.is_cuda
+        and first.dtype in LOW_PRECISION_RECORDS
+        and all(t.dtype == first.dtype and t.is_cuda for t in tensors)
+    )
+
+
+def ops_emulated() -> int:
+    """aten ops CUDA dispatches minus those dispatched here for the same products, since
+    the last reset (:func:`flops_emulated`): the upcasts here are absent there, the split
+    of a clipped sum (4 ops, a second GEMM and an add) is there only."""
+    return _EMULATED["ops"]
+
+
+def _count(flops: int, *tensors: Tensor) -> None:
+    if _EMULATED["on"] and all(t.dtype in LOW_PRECISION_RECORDS for t in tensors):
+        _EMULATED["flops"] += flops
+    if _EMULATED["on"]:
+        _EMULATED["ops"] -= sum(t.dtype in LOW_PRECISION_RECORDS for t in tensors)
+
+
+def mm_f32(x: Tensor, y: Tensor) -> Tensor:
+    """x @ y in float32 for 2-D x, y: tensor cores on CUDA for bf16/fp16 operands."""
+    if tensor_cores(x, y):
+        return torch.mm(x, y, out_dtype=torch.float32)
+    _count(2 * x.shape[0] * x.shape[1] * y.shape[1], x, y)
+    return torch.mm(x.float() if x.dtype in LOW_PRECISION_RECORDS else x, _up(y))
+
+
+def bmm_f32(x: Tensor, y: Tensor) -> Tensor:
+    """x @ y in float32 for 3-D x, y (batched): tensor cores on CUDA for bf16/fp16."""
+    if tensor_cores(x, y):
+        return torch.bmm(x, y, out_dtype=torch.float32)
+    _count(2 * x.shape[0] * x.shape[1] * x.shape[2] * y.shape[2], x, y)
+    return torch.bmm(_up(x), _up(y))
+
+
+def _up(t: Tensor) -> Tensor:
+    return t.float() if t.dtype in LOW_PRECISION_RECORDS else t
+
+
+def round_down_bf16(c: Tensor) -> Tensor:
+    """Non-negative float32 factors rounded toward zero to 8 significant bits (bf16's),
+    returned in float32: c' <= c, c' >= c (1 - 2^-7)."""
+    c = c.float()
+    # Truncating the low 16 bits of a non-negative float32 rounds it toward zero.
+    return (c.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).view(c.shape)
+
+
+def scaled_split(x: Tensor, factors: Tensor) -> tuple[Tensor, ...]:
+    """Rows of a bf16/fp16 ``x`` (B, ...) scaled by ``factors`` rounded down to 8 bits
+    (:func:`round_down_bf16`), as parts whose sum is the scaled rows exactly.
+
+    On CUDA with bf16 ``x``: (hi, lo), both bf16 (see the module docstring). Elsewhere:
+    one float32 tensor (the same sum, exact in float32), for a float32 GEMM.
+    """
+    c = round_down_bf16(factors).to(x.device)
+    scaled = x.float() * c.view(-1, *([1] * (x.dim() - 1)))  # exact: 8 x 8 bits
+    if not (x.is_cuda and x.dtype == torch.bfloat16):
+        return (scaled,)
+    return split_bf16(scaled)
+
+
+def split_bf16(scaled: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 values of at most 16 significant bits as bf16 (hi, lo), hi + lo exact."""
+    hi = scaled.to(torch.bfloat16)
+    lo = (scaled - hi.float()).to(torch.bfloat16)  # scaled - hi is exact in float32
+    return hi, lo
+
+
+def scaled_cross(x: Tensor, y: Tensor, factors: Tensor, scale_x: bool) -> Tensor:
+    """sum_i c_i x_i^T y_i, (p, d), in float32, for low-precision rows x (B, T, p) and
+    y (B, T, d): one operand (x if ``scale_x``, else y) scaled by the factors rounded down
+    (:func:`scaled_split`), so that each example's contribution is exactly c'_i x_i^T y_i
+    up to float32 accumulation."""
+    parts = scaled_split(x if scale_x else y, factors)
+    total = None
+    for part in parts:
+        left, right = (part, y) if scale_x else (x, part)
+        prod = mm_f32(left.flatten(0, 1).T, right.flatten(0, 1))
+        total = prod if total is None else total.add_(prod)
+    if len(parts) == 1 and _EMULATED["on"] and x.dtype == y.dtype == torch.bfloat16:
+        flops = 2 * x.shape[0] * x.shape[1] * x.shape[2] * y.shape[2]
+        _EMULATED["flops"] += 2 * flops  # two bf16 GEMMs on CUDA (hi, lo) ...
+        _EMULATED["extra"] += flops  # ... for this one float32 GEMM
+        _EMULATED["ops"] += 6  # the split (two casts, a subtraction, a cast), a GEMM, an add
+    return total

@@ -1,0 +1,140 @@
+"""Low-precision records: float32 products, and clipped sums scaled without rounding.
+
+The reference is float64 arithmetic on the same bf16 values (every bf16 is exact in
+float64, so the float64 result is the exact value the float32 kernels approximate)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dptrain.clipping.rules import LinearRule
+from dptrain.clipping.tensor_cores import (
+    bmm_f32,
+    flops_emulated,
+    mm_f32,
+    round_down_bf16,
+    scaled_cross,
+    scaled_split,
+    split_bf16,
+)
+
+
+@given(st.floats(min_value=1e-30, max_value=1.0, allow_subnormal=False))
+def test_factors_round_down_to_bf16_within_one_part_in_128(c):
+    c32 = torch.tensor([c], dtype=torch.float32)
+    r = round_down_bf16(c32)
+    assert r <= c32
+    assert r >= c32 * (1 - 2**-7)
+    assert torch.equal(r.to(torch.bfloat16).float(), r)  # representable in bf16
+
+
+def test_a_factor_of_one_is_kept_exactly():
+    assert torch.equal(round_down_bf16(torch.ones(3)), torch.ones(3))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_scaled_bf16_rows_split_into_two_bf16_parts_exactly(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(8, 16, 32, generator=gen) * 10.0 ** torch.randint(-6, 6, (8, 1, 1))).bfloat16()
+    c = torch.rand(8, generator=gen)
+    scaled = x.double() * round_down_bf16(c).double()[:, None, None]
+    (one,) = scaled_split(x, c)  # off CUDA: one float32 tensor
+    assert torch.equal(one.double(), scaled)  # 8 x 8 significant bits: exact in float32
+    hi, lo = split_bf16(one)  # as on CUDA
+    assert hi.dtype == lo.dtype == torch.bfloat16
+    assert torch.equal(hi.double() + lo.double(), scaled)
+
+
+def _cancelling_record(b=4, t=255, d_in=8, d_out=8, seed=0):
+    """Tokens whose gradients cancel: in each triple of tokens the inputs are equal and
+    the output gradients sum to (about) zero, so the per-example gradient a^T g is far
+    smaller than the sum of its tokens' terms, which is where rounding c g costs most."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(b, t // 3, 1, d_in, generator=gen).expand(-1, -1, 3, -1).reshape(b, t, d_in)
+    g = torch.randn(b, t // 3, 3, d_out, generator=gen).bfloat16().float()
+    g[:, :, 2] = -(g[:, :, 0] + g[:, :, 1])
+    return a.bfloat16(), g.reshape(b, t, d_out).bfloat16()
+
+
+def _exact(a, g, c):
+    """sum_i c_i a_i^T g_i in float64 on the same bf16 values, and sum_i c_i |a_i|^T |g_i|
+    (the scale of float32 accumulation's error: Higham's gamma_n bound)."""
+    c = c.double()[:, None, None]
+    want = torch.einsum("btp,btd->pd", c * g.double(), a.double())
+    scale = torch.einsum("btp,btd->pd", c * g.double().abs(), a.double().abs())
+    return want, scale
+
+
+def test_the_clipped_sum_of_a_bf16_record_is_the_rounded_down_factors_times_the_exact_sum():
+    a, g = _cancelling_record()
+    module = torch.nn.Linear(8, 8, bias=False)
+    c = torch.tensor([0.3, 0.71, 0.9999, 1.0])
+    got = LinearRule().clipped_sum(module, a, g, c)["weight"]
+    want, scale = _exact(a, g, round_down_bf16(c))
+    n = a.shape[0] * a.shape[1]  # float32 additions per entry
+    gamma = n * 2**-24 / (1 - n * 2**-24)
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).abs() <= gamma * scale).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rounding_the_scaled_rows_to_bf16_would_break_the_bound(seed):
+    # Why scaled_split: with c g rounded to bf16 (what a bf16 GEMM on c * g does), one
+    # example's contribution exceeds c ||a^T g|| by far more than float32 rounding.
+    a, g = _cancelling_record(b=1, seed=seed)
+    c = torch.tensor([0.3])
+    exact = _exact(a, g, c)[0].norm()
+    rounded = (g.float() * c).bfloat16()
+    naive = _exact(a, rounded, torch.ones(1))[0].norm()
+    assert naive > exact * 1.05
+    (one,) = scaled_split(g, c)
+    hi, lo = split_bf16(one)
+    ours = _exact(a, hi, torch.ones(1))[0] + _exact(a, lo, torch.ones(1))[0]
+    assert ours.norm() <= exact  # factor rounded down, products exact
+
+
+def test_bf16_products_equal_float64_ones_up_to_float32_accumulation():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, 24, generator=gen).bfloat16()
+    y = torch.randn(3, 24, 40, generator=gen).bfloat16()
+    want = torch.bmm(x.double(), y.double())
+    got = bmm_f32(x, y)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-5)
+    got2 = mm_f32(x[0], y[0])
+    assert got2.dtype == torch.float32
+    assert torch.allclose(got2.double(), want[0], rtol=1e-6, atol=1e-5)
+
+
+def test_emulated_tensor_core_flops_are_counted_only_when_asked():
+    x = torch.randn(2, 4, 8).bfloat16()
+    flops_emulated(reset=True, on=False)
+    bmm_f32(x, x.transpose(1, 2))
+    assert flops_emulated() == (0, 0)
+    flops_emulated(reset=True, on=True)
+    try:
+        bmm_f32(x, x.transpose(1, 2))
+        bmm_f32(x.float(), x.float().transpose(1, 2))  # float32 operands: not emulated
+        assert flops_emulated(reset=True) == (2 * 2 * 4 * 8 * 4, 0)
+        scaled_cross(x, x, torch.rand(2), scale_x=True)  # two bf16 GEMMs on CUDA, one here
+        one = 2 * 2 * 4 * 8 * 8
+        assert flops_emulated() == (2 * one, one)
+    finally:
+        flops_emulated(reset=True, on=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_float32_output_gemm_equals_the_cpu_reference():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, 48, generator=gen).bfloat16()
+    y = torch.randn(3, 48, 64, generator=gen).bfloat16()
+    got = bmm_f32(x.cuda(), y.cuda()).cpu()
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), torch.bmm(x.double(), y.double()), rtol=1e-5, atol=1e-4)
+    a, g = _cancelling_record()
+    c = torch.tensor([0.3, 0.71, 0.9999, 1.0])
+    module = torch.nn.Linear(8, 8, bias=False)
+    on_gpu = LinearRule().clipped_sum(module.cuda(), a.cuda(), g.cuda(), c.cuda())["weight"]
+    on_cpu = LinearRule().clipped_sum(module.cpu(), a, g, c)["weight"]
+    assert torch.allclose(on_gpu.cpu(), on_cpu, rtol=1e-5, atol=1e-6)

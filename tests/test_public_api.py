@@ -85,6 +85,7 @@ MODULES = [
     "dptrain.optim",
     "dptrain.precision",
     "dptrain.privacy_engine",
+    "dptrain.privacy_record",
     "dptrain.recipes",
     "dptrain.recipes.seqrec",
     "dptrain.recipes.dpformer_experiment",

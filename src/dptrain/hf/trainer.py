@@ -89,7 +89,7 @@ from dptrain.hf.losses import (
     task_of,
 )
 from dptrain.hf.plan import PrivacyPlan, make_plan
-from dptrain.hf.report import privacy_report, write_privacy_report
+from dptrain.hf.report import base_model_of, privacy_report, write_privacy_report
 from dptrain.optim import DPOptimizer
 from dptrain.privacy_engine import PrivateTraining, check_optimizer_matches
 
@@ -539,6 +539,7 @@ class DPTrainer(Trainer):
             self.privacy.ledger,
             steps_taken=self.privacy.optimizer.steps_taken,
             seeded=self.privacy_args.seed is not None,
+            base_model=base_model_of(self.model),
         )
 
     # -- one optimizer update ---------------------------------------------------------------

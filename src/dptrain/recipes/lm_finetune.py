@@ -59,6 +59,7 @@ at the final expected batch size (``steps = floor(epochs N / B)``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -100,7 +101,7 @@ from dptrain.losses import per_example_lm_loss
 from dptrain.models.pretrained import SMOLLM2, public_source
 from dptrain.precision import amp_context, check_amp
 from dptrain.privacy_engine import make_private
-from dptrain.privacy_record import BaseModelSource, PrivacyRecord
+from dptrain.privacy_record import BaseModelSource, PrivacyRecord, write_json_atomically
 from dptrain.recipes._causal_lm import (
     LLAMA_PROJECTIONS,
     add_lora,
@@ -117,6 +118,7 @@ from dptrain.recipes._common import (
     report_audit,
     resolve_delta,
 )
+from dptrain.recipes._run_folder import check_run_folder, default_run_folder
 from dptrain.recipes._schedules import (
     LR_SCHEDULES,
     check_schedule_steps,
@@ -228,7 +230,11 @@ class LMFinetuneConfig:
     lower bounds go to results.json's ``audit`` section; the canaries are in the model."""
     audit_canaries: int = 100_000
     """Canaries of the audit (at most the trainable coordinates)."""
-    out: str = "runs/lm"
+    out: str | None = None
+    """The run folder; null: a fresh ``runs/lm/<YYYYmmdd-HHMMSS>`` (printed). An existing
+    folder that holds files is refused unless ``overwrite``."""
+    overwrite: bool = False
+    """Write over the run already in ``out`` (its record of the budget spent is lost)."""
     save_model: bool = True
     progress: bool = True
 
@@ -626,6 +632,11 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
     private = cfg.is_private
 
     # -- setup (nothing is written until it has all passed) --
+    out = (
+        check_run_folder(cfg.out, cfg.overwrite)
+        if cfg.out is not None
+        else default_run_folder("lm")
+    )
     s = _setup(cfg)
     model, tokenizer, valid = s.model, s.tokenizer, s.valid
     ledger = PrivacyLedger(privacy_unit=cfg.privacy_unit)
@@ -643,9 +654,13 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         prompt, reference = _prompt_and_reference(valid[j], s.train_records.record_format)
         prompts.append(prompt)
         references.append(tokenizer.decode(reference, skip_special_tokens=True).strip())
-    out = Path(cfg.out)
+    if cfg.overwrite:
+        _clear_run(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+    save_config(dataclasses.replace(cfg, out=str(out)), out / "config.yaml")
+    # The ledger is on disk from the start and after every step, so a run stopped at any
+    # point (killed, out of memory) leaves the record of what it spent.
+    write_json_atomically(out / "ledger.json", ledger.state_dict())
     data_info = {
         "file": s.file_summary,
         "train": {**s.train_records.summary, "tokenized": s.train.summary},
@@ -688,6 +703,7 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
                 (losses.sum() / batch.size).backward()
         if private:
             window["snr"].append(opt.step().gradient_snr)  # noise once, step, ledger
+            write_json_atomically(out / "ledger.json", ledger.state_dict())
         elif batch.size:  # an empty batch has no gradient to step on
             opt.step()
         scheduler.step()
@@ -734,7 +750,7 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         }
         history[-1]["epsilon"] = eps_all[cfg.accountant]  # the whole run: the exact figure
         eps_points[-1] = (s.steps, eps_all[cfg.accountant])
-    (out / "ledger.json").write_text(ledger.to_json())
+    write_json_atomically(out / "ledger.json", ledger.state_dict())
     (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     generations = [
         {
@@ -794,6 +810,7 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         "generations": generations,
         "seed": cfg.seed,
         "wall_time_s": time.perf_counter() - t0,
+        "run_folder": str(out),
         "guarantee": privacy.statement,
     }
     report_audit(results, canaries, s.delta, ledger)
@@ -809,6 +826,33 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         privacy.write(folder)
         (folder / "README.md").write_text(_model_card(cfg, privacy, results))
     return results
+
+
+#: What a run writes into its folder: removed first when ``overwrite=true``, so nothing of
+#: the earlier run is left to be mistaken for this one's (other files are left alone).
+_RUN_FILES = (
+    "config.yaml",
+    "data.json",
+    "ledger.json",
+    "metrics.jsonl",
+    "results.json",
+    "privacy.json",
+    "generations.jsonl",
+    "samples.md",
+    "plots",
+    "model",
+)
+
+
+def _clear_run(out: Path) -> None:
+    import shutil
+
+    for name in _RUN_FILES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def _mean(values: list[float]) -> float | None:

@@ -86,6 +86,7 @@ MODULES = [
     "dptrain.precision",
     "dptrain.privacy_engine",
     "dptrain.privacy_record",
+    "dptrain.progress",
     "dptrain.recipes",
     "dptrain.recipes.seqrec",
     "dptrain.recipes.dpformer_experiment",

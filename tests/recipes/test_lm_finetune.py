@@ -122,7 +122,7 @@ def test_full_fine_tuning_writes_the_run_and_a_model_that_loads_and_generates(fi
     assert privacy.private is True and privacy.producer == "dptrain train lm"
     assert 7.0 < privacy.epsilon <= 8.0
     assert privacy.epsilon == results["epsilon"] == results["epsilon_pld"]
-    assert privacy.delta == pytest.approx(1 / (2 * 54))  # 1/(2N), 54 training records
+    assert privacy.delta == 1e-5  # min(1e-5, 1/(10N)), 54 training records
     assert privacy.accountant == "pld"
     assert privacy.privacy_unit == "example"
     t = privacy.training
@@ -237,7 +237,8 @@ def test_user_level_run_with_a_growing_batch_counts_users(files, tmp_path):
         "column 'user'" in privacy.training["unit"]
         and privacy.neighbouring == "add or remove one user"
     )
-    assert privacy.delta == pytest.approx(1 / (2 * n_users))
+    assert privacy.delta == 1e-5  # min(1e-5, 1/(10 users))
+    assert privacy.training["delta_rule"] == "min(1e-5,1/(10N))"
     assert "user level" in results["guarantee"]
     assert "one user" in (out / "model" / "README.md").read_text()
 
@@ -349,7 +350,22 @@ def _cli_args(files, *extra):
 def test_an_existing_run_is_never_overwritten_without_overwrite_true(files, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_cli_args(files, f"out={out}")) == 0
-    capsys.readouterr()
+    err = capsys.readouterr().err
+    # the plan, printed before the first step: N, q, steps, sigma, C, delta, accountant, target
+    sigma = _read(out / "results.json")["noise_multiplier"]
+    for piece in (
+        "private plan",
+        "54 records",
+        f"{8 / 54:.4g} (expected batch 8)",
+        "steps           2",
+        f"{sigma:.4g}",
+        "clipping C      1 (flat)",
+        "1e-05 (min(1e-5,1/(10N)))",
+        "accountant      pld",
+        "target epsilon  8",
+    ):
+        assert piece in err, piece
+    assert "WARNING" not in err
     ledger = (out / "ledger.json").read_text()
     privacy = (out / "privacy.json").read_text()
     # a second run into the same folder: a named error (exit 2) before any training
@@ -367,6 +383,15 @@ def test_an_existing_run_is_never_overwritten_without_overwrite_true(files, tmp_
     assert main(_cli_args(files, f"out={out}", "steps=3", "overwrite=true")) == 0
     assert PrivacyLedger.from_json((out / "ledger.json").read_text()).num_steps == 3
     assert not (out / "model").exists() and (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_delta_above_one_over_n_is_warned_of_in_the_plan(files, tmp_path, capsys):
+    args = _cli_args(files, f"out={tmp_path / 'run'}", "steps=1", "delta=0.1", "user_col=user")
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "0.1 (given)" in err
+    assert "WARNING: delta=0.1 is not below 1/N = 1/11 users" in err
+    assert err.index("private plan") < err.index("WARNING")
 
 
 def test_without_out_every_run_gets_its_own_folder(files, tmp_path, capsys, monkeypatch):

@@ -27,9 +27,11 @@ __all__ = [
     "resolve_delta",
 ]
 
-#: delta given as a rule of the number N of training records; both are below 1/N, the
-#: largest delta under which (epsilon, delta)-DP still means something for one record.
-DELTA_RULES = ("1/N^1.1", "1/(2N)")
+#: delta given as a rule of the number N of training records (or users); all are below 1/N,
+#: the largest delta under which (epsilon, delta)-DP still means something for one record.
+#: ``min(1e-5,1/(10N))`` is the library's advice (well below 1/N, and the usual 1e-5 for any
+#: N up to 10,000; docs/accounting.md); ``1/(2N)`` reproduces Li et al. 2022 and is weaker.
+DELTA_RULES = ("min(1e-5,1/(10N))", "1/N^1.1", "1/(2N)")
 
 
 def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
@@ -51,7 +53,10 @@ def check_epsilons(epsilons: Sequence[float | None]) -> None:
 
 
 def resolve_delta(delta: float | str, n_records: int) -> float:
-    """delta as a number: ``1/N^1.1``, ``1/(2N)`` (Li et al. 2022) or a number as given."""
+    """delta as a number: ``min(1e-5,1/(10N))``, ``1/N^1.1``, ``1/(2N)`` (Li et al. 2022) or
+    a number as given."""
+    if delta == "min(1e-5,1/(10N))":
+        return min(1e-5, 1.0 / (10 * n_records))
     if delta == "1/N^1.1":
         return 1.0 / n_records**1.1
     if delta == "1/(2N)":

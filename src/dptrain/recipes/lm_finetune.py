@@ -65,6 +65,7 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,7 @@ from dptrain.models.pretrained import SMOLLM2, public_source
 from dptrain.precision import amp_context, check_amp
 from dptrain.privacy_engine import make_private
 from dptrain.privacy_record import BaseModelSource, PrivacyRecord, write_json_atomically
+from dptrain.progress import EpsilonCurve, delta_warning, plan_text
 from dptrain.recipes._causal_lm import (
     LLAMA_PROJECTIONS,
     add_lora,
@@ -177,8 +179,9 @@ class LMFinetuneConfig:
     """false trains without privacy on the same Poisson batches (a baseline)."""
     epsilon: float | None = 8.0
     """Target epsilon of the whole run; ``inf`` (or null without noise_multiplier): non-private."""
-    delta: float | str = "1/(2N)"
-    """A number, or ``1/(2N)`` / ``1/N^1.1`` with N the training records (users)."""
+    delta: float | str = "min(1e-5,1/(10N))"
+    """A number, or a rule of N, the training records (users): ``min(1e-5,1/(10N))`` (well
+    below 1/N, docs/accounting.md), ``1/N^1.1`` or ``1/(2N)``. A delta >= 1/N is warned of."""
     noise_multiplier: float | None = None
     """Use this sigma instead of calibrating to epsilon (set epsilon=null)."""
     accountant: str = "pld"
@@ -678,6 +681,28 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
     before = greedy_generations(model, tokenizer, prompts, cfg.max_new_tokens)
     history = [_eval_line(0, valid_loss, 0.0 if private else math.inf, {})]
     eps_points: list[tuple[int, float]] = [(0, 0.0)]
+    curve = None
+    if private:
+        assert s.delta is not None and s.sigma is not None
+        plan = plan_text(
+            units=s.n,
+            unit=_unit_noun(cfg),
+            sample_rate=[b / s.n for b, _ in s.stages],
+            expected_batch=[b for b, _ in s.stages],
+            steps=s.steps,
+            noise_multiplier=s.sigma,
+            max_grad_norm=cfg.max_grad_norm,
+            clipping=cfg.clipping,
+            delta=s.delta,
+            delta_rule=cfg.delta if isinstance(cfg.delta, str) else None,
+            accountant=cfg.accountant,
+            target_epsilon=cfg.epsilon,
+        )
+        print(plan, file=sys.stderr, flush=True)
+        warning = delta_warning(s.delta, s.n, _unit_noun(cfg))
+        if warning:
+            log.warning(warning)
+        curve = EpsilonCurve([(b / s.n, s.sigma, k) for b, k in s.stages], s.delta, cfg.accountant)
     bar = tqdm(total=s.steps, disable=not cfg.progress, desc="lm", unit="step")
     bar.set_postfix(eps="0.00" if private else "inf", ppl=f"{history[0]['valid_perplexity']:.2f}")
     spent = 0.0
@@ -729,9 +754,10 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
             }
             history.append(_eval_line(step, valid_loss, spent if private else math.inf, extra))
             window = {"loss": 0.0, "tokens": 0, "snr": []}
-        if (private and step % cfg.epsilon_every == 0) or evaluate:
+        if curve is not None or evaluate:
+            # every private step: an upper bound from the precomputed curve (cheap)
             bar.set_postfix(
-                eps=f"{spent:.2f}" if private else "inf",
+                eps=f"<={curve(step):.2f}" if curve is not None else "inf",
                 ppl=f"{history[-1]['valid_perplexity']:.2f}",
             )
         bar.update(1)

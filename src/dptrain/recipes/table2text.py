@@ -100,8 +100,11 @@ from dptrain.recipes._common import (
     check_choice,
     cycle,
     epsilon_so_far,
+    print_plan,
+    recipe_privacy_record,
     report_audit,
     resolve_delta,
+    write_privacy_records,
 )
 from dptrain.recipes._schedules import lr_lambda
 
@@ -709,6 +712,22 @@ def fit_table2text(
     snrs: list[float] = []
     best = (math.inf, 0)
     best_state = copy.deepcopy(model.state_dict())
+    if cfg.private:
+        assert delta is not None and sigma is not None
+        print_plan(
+            units=n,
+            unit="example",
+            sample_rate=q,
+            expected_batch=min(cfg.batch_size, n),
+            steps=steps,
+            noise_multiplier=sigma,
+            max_grad_norm=cfg.max_grad_norm,
+            clipping=cfg.clipping,
+            delta=delta,
+            delta_rule=cfg.delta if isinstance(cfg.delta, str) else None,
+            accountant=cfg.accountant,
+            target_epsilon=cfg.epsilon,
+        )
     bar = tqdm(total=steps, disable=not cfg.progress, desc="table2text", unit="step")
     loss_sum, loss_n = 0.0, 0
 
@@ -1056,6 +1075,19 @@ def train_table2text(cfg: Table2TextConfig) -> dict[str, Any]:
     }
     report_audit(results, fitted.canaries, fitted.delta, fitted.ledger)
     (out / "results.json").write_text(json.dumps(results, indent=2))
+    record = recipe_privacy_record(
+        "dptrain train table2text",
+        results,
+        fitted.ledger,
+        privacy_unit="example",
+        covers=[f"the {n} training (table, text) pairs: the trained weights (model/)"],
+        not_covered=[
+            results["note"],
+            f"the base model and tokenizer ({results['model']}; {fitted.tokenizer_note})",
+        ],
+        training={"lora_r": cfg.lora_r, "clipping": cfg.clipping},
+    )
+    write_privacy_records(record, out, *([out / "model"] if cfg.save_checkpoint else []))
     _plot(fitted.history, cfg, out / "plots")
     return results
 

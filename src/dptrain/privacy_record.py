@@ -31,10 +31,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dptrain._atomic import write_json_atomically
 
 __all__ = [
     "FORMAT_VERSION",
@@ -56,25 +57,6 @@ def _library() -> str:
     import dptrain
 
     return f"dptrain {dptrain.__version__}"
-
-
-def write_json_atomically(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as JSON to ``path`` through a temporary sibling and a rename.
-
-    A reader (or a run killed mid-write) sees the old file or the new one, never half of
-    one: how a ledger written during training stays readable at every moment.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=2, default=str) + "\n")
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 @dataclass

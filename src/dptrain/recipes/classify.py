@@ -919,6 +919,8 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
         save_config(cfg, out / "config.yaml")
         (out / "data.json").write_text(json.dumps(data.summary, indent=2, default=str))
     ledger = PrivacyLedger(privacy_unit="text")
+    if main:  # on disk from the start and after every event: a stopped run keeps its record
+        ledger.autosave(out / "ledger.json")
 
     t_train = time.perf_counter()
     history, best, trainable, scope_detail, canaries = _train(
@@ -930,8 +932,6 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
     test_data = best["test_data"]
     accuracy = _accuracy_of(best["model"], test_data, splits["test"].labels, cfg.eval_batch_size)
 
-    if main:
-        (out / "ledger.json").write_text(ledger.to_json())
     eps = _epsilons(ledger, plan.delta) if cfg.private else {}
     results: dict[str, Any] = {
         "method": cfg.method,

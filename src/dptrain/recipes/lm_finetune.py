@@ -102,7 +102,7 @@ from dptrain.losses import per_example_lm_loss
 from dptrain.models.pretrained import SMOLLM2, public_source
 from dptrain.precision import amp_context, check_amp
 from dptrain.privacy_engine import make_private
-from dptrain.privacy_record import BaseModelSource, PrivacyRecord, write_json_atomically
+from dptrain.privacy_record import BaseModelSource, PrivacyRecord
 from dptrain.progress import EpsilonCurve, delta_warning, plan_text
 from dptrain.recipes._causal_lm import (
     LLAMA_PROJECTIONS,
@@ -663,7 +663,7 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
     save_config(dataclasses.replace(cfg, out=str(out)), out / "config.yaml")
     # The ledger is on disk from the start and after every step, so a run stopped at any
     # point (killed, out of memory) leaves the record of what it spent.
-    write_json_atomically(out / "ledger.json", ledger.state_dict())
+    ledger.autosave(out / "ledger.json")
     data_info = {
         "file": s.file_summary,
         "train": {**s.train_records.summary, "tokenized": s.train.summary},
@@ -728,7 +728,6 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
                 (losses.sum() / batch.size).backward()
         if private:
             window["snr"].append(opt.step().gradient_snr)  # noise once, step, ledger
-            write_json_atomically(out / "ledger.json", ledger.state_dict())
         elif batch.size:  # an empty batch has no gradient to step on
             opt.step()
         scheduler.step()
@@ -776,7 +775,6 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         }
         history[-1]["epsilon"] = eps_all[cfg.accountant]  # the whole run: the exact figure
         eps_points[-1] = (s.steps, eps_all[cfg.accountant])
-    write_json_atomically(out / "ledger.json", ledger.state_dict())
     (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     generations = [
         {

@@ -482,6 +482,7 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    ledger.autosave(out / "ledger.json")  # after every step: a stopped run keeps its record
     save_config(cfg, out / "config.yaml")
     (out / "data.json").write_text(json.dumps(data.summary, indent=2, default=str))
     data.tokenizer.save_pretrained(str(out / "tokenizer"))
@@ -573,7 +574,6 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
     test_metrics = masked_lm_metrics(model, *test, cfg.eval_batch_size)
 
     # -- save --
-    (out / "ledger.json").write_text(ledger.to_json())
     eps = (
         {
             name: make_accountant(name, ledger).epsilon(delta)

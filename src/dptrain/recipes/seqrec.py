@@ -442,6 +442,8 @@ def _train_seqrec(cfg: SeqRecTrainConfig, run: Launch, t0: float) -> dict[str, A
         metrics_path.write_text("")
     gen = torch.Generator().manual_seed(cfg.seed)
     ledger = plan.ledger
+    if main:  # on disk from the start and after every step: a stopped run keeps its record
+        ledger.autosave(out / "ledger.json")
 
     needs_frequencies = cfg.model in ("dpformer", "most-popular")
     freq_note = None
@@ -468,8 +470,6 @@ def _train_seqrec(cfg: SeqRecTrainConfig, run: Launch, t0: float) -> dict[str, A
             model, data.test_inputs, data.test_targets, data.test_seen, cfg.eval_batch_size
         )
 
-    if main:
-        (out / "ledger.json").write_text(ledger.to_json())
     eps = _epsilons(ledger, plan.delta) if cfg.private and ledger.num_steps else {}
     if eps and history:  # the last point is the whole run: report the exact figure
         history[-1]["epsilon"] = eps[cfg.accountant]

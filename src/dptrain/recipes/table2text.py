@@ -689,6 +689,7 @@ def fit_table2text(
             privacy_unit="example",
         )
         ledger = private.ledger
+        ledger.autosave(out / "ledger.json")  # after every step: a stopped run keeps its record
         batches = iter(private.data_loader)
         opt = private.optimizer
         canaries = attach_audit_canaries(cfg.audit, trainable, opt, cfg.audit_canaries, cfg.seed)
@@ -790,7 +791,6 @@ def fit_table2text(
     if ledger is not None and ledger.num_steps:
         eps_all = {name: make_accountant(name, ledger).epsilon(delta) for name in ACCOUNTANTS}
         history[-1]["epsilon"] = eps_all[cfg.accountant]  # the whole run: the exact figure
-        (out / "ledger.json").write_text(ledger.to_json())
     with (out / "metrics.jsonl").open("w") as f:
         for line in history:
             f.write(json.dumps(line) + "\n")

@@ -369,7 +369,9 @@ def test_an_existing_run_is_never_overwritten_without_overwrite_true(files, tmp_
     ledger = (out / "ledger.json").read_text()
     privacy = (out / "privacy.json").read_text()
     # a second run into the same folder: a named error (exit 2) before any training
-    code = main(_cli_args(files, f"out={out}", "steps=3", "save_model=true"))
+    # (a given noise multiplier: no calibration to wait for)
+    sigma_args = ("epsilon=null", "noise_multiplier=1.5")
+    code = main(_cli_args(files, f"out={out}", "steps=3", "save_model=true", *sigma_args))
     err = capsys.readouterr().err
     assert code == 2
     assert f"out={str(out)!r} is not allowed: the folder exists" in err and "overwrite=true" in err
@@ -380,13 +382,15 @@ def test_an_existing_run_is_never_overwritten_without_overwrite_true(files, tmp_
     (out / "model").mkdir()
     (out / "model" / "stale.bin").write_text("x")
     (out / "notes.txt").write_text("mine")  # not a run file: left alone
-    assert main(_cli_args(files, f"out={out}", "steps=3", "overwrite=true")) == 0
-    assert PrivacyLedger.from_json((out / "ledger.json").read_text()).num_steps == 3
+    assert main(_cli_args(files, f"out={out}", "steps=3", "overwrite=true", *sigma_args)) == 0
+    ledger = PrivacyLedger.from_json((out / "ledger.json").read_text())
+    assert ledger.num_steps == 3 and ledger.segments[0].noise_multiplier == 1.5
     assert not (out / "model").exists() and (out / "notes.txt").read_text() == "mine"
 
 
 def test_a_delta_above_one_over_n_is_warned_of_in_the_plan(files, tmp_path, capsys):
     args = _cli_args(files, f"out={tmp_path / 'run'}", "steps=1", "delta=0.1", "user_col=user")
+    args += ["epsilon=null", "noise_multiplier=1.0"]  # no calibration to wait for
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "0.1 (given)" in err

@@ -89,6 +89,8 @@ MODULES = [
     "dptrain.secure_random",
     "dptrain.precision",
     "dptrain.privacy_engine",
+    "dptrain.privacy_record",
+    "dptrain.progress",
     "dptrain.recipes",
     "dptrain.recipes.seqrec",
     "dptrain.recipes.dpformer_experiment",

@@ -942,6 +942,39 @@ def _torchrun_train(args: argparse.Namespace) -> int:
     return subprocess.run(command, check=False).returncode
 
 
+def _run_folder_overrides(
+    config_class: type, overrides: list[str]
+) -> tuple[list[str], bool | None]:
+    """(overrides without ``overwrite=``, its value) for a recipe whose config has no
+    ``overwrite`` field, where the command line guards the run folder; (overrides, None)
+    for one that guards its own (``train lm``)."""
+    import dataclasses
+
+    from dptrain.config import parse_overrides
+
+    if "overwrite" in {f.name for f in dataclasses.fields(config_class)}:
+        return overrides, None
+    rest = [o for o in overrides if o.partition("=")[0].strip() != "overwrite"]
+    value = parse_overrides([o for o in overrides if o not in rest]).get("overwrite", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"overwrite={value!r} is not allowed: expected true or false")
+    return rest, value
+
+
+def _claim_run_folder(
+    cfg: Any, args: argparse.Namespace, overrides: list[str], overwrite: bool
+) -> None:
+    """``out`` checked (never over an earlier run unless ``overwrite=true``), or, when
+    neither the config file nor the command line names one, a fresh folder per run."""
+    from dptrain.config import read_config_values
+    from dptrain.recipes._run_folder import check_run_folder, default_run_folder
+
+    if "out" in read_config_values(args.config, overrides):
+        check_run_folder(cfg.out, overwrite)
+    else:
+        cfg.out = str(default_run_folder(args.recipe))
+
+
 def _train(args: argparse.Namespace) -> int:
     """``dptrain train RECIPE``: one run of a recipe."""
     import importlib
@@ -961,9 +994,15 @@ def _train(args: argparse.Namespace) -> int:
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
     module_name, config_name, train_name, keys = _TRAIN_RECIPES[args.recipe]
     module = importlib.import_module(module_name)
-    cfg = load_config(getattr(module, config_name), args.config, overrides)
+    config_class = getattr(module, config_name)
+    overrides, overwrite = _run_folder_overrides(config_class, overrides)
+    cfg = load_config(config_class, args.config, overrides)
+    if overwrite is not None:  # a recipe whose config has no overwrite= (train lm's has)
+        _claim_run_folder(cfg, args, overrides, overwrite)
     if args.nproc > 1:  # bad input fails here, once, before any process starts
         module.check_world_size(cfg, args.nproc)
+        # every process writes into the folder checked here (a fresh one is named once)
+        args.overrides = [*args.overrides, f"out={cfg.out}", "overwrite=true"]
         return _torchrun_train(args)
     audit, what = bool(getattr(cfg, "audit", False)), f"train {args.recipe}"
     with _could_not_run(what) if audit else contextlib.nullcontext():
@@ -978,9 +1017,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.recipe == "lm":
         print(results["guarantee"])
     print(format_table(keys, [[results.get(k) for k in keys]]))
-    print(f"run folder: {cfg.out} (results.json, metrics.jsonl, plots/)")
+    print(f"run folder: {results.get('run_folder', cfg.out)} (results.json, metrics.jsonl, plots/)")
     if args.recipe == "lm" and cfg.save_model:
-        print(f"model: {cfg.out}/model (save_pretrained, privacy.json, README.md)")
+        print(f"model: {results['run_folder']}/model (save_pretrained, privacy.json, README.md)")
     if not audit or "audit" not in results:
         return 0
     report = results["audit"]

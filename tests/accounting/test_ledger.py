@@ -61,3 +61,36 @@ def test_unknown_format_version_is_refused():
     state["format_version"] = 99
     with pytest.raises(ValueError, match=r"format_version=99 is not supported: expected 1"):
         PrivacyLedger.from_state_dict(state)
+
+
+def test_autosave_keeps_the_file_equal_to_the_ledger_after_every_change(tmp_path):
+    """A run stopped at any point leaves its ledger on disk: written at once, after every
+    record and after a restore, atomically (no temporary file left); copies do not write."""
+    path = tmp_path / "run" / "ledger.json"
+    ledger = PrivacyLedger(privacy_unit="user")
+    ledger.autosave(path)
+    assert PrivacyLedger.from_json(path.read_text()) == ledger  # empty, but there
+    for k in range(3):
+        ledger.record(0.01, 1.1)
+        assert PrivacyLedger.from_json(path.read_text()).num_steps == k + 1
+    ledger.record(0.02, 1.1, count=5)
+    assert PrivacyLedger.from_json(path.read_text()) == ledger
+    copy = ledger.copy()
+    copy.record(0.5, 0.5)
+    assert PrivacyLedger.from_json(path.read_text()) == ledger  # the copy did not write
+    other = PrivacyLedger()
+    other.record(0.1, 2.0, 7)
+    ledger.load_state_dict(other.state_dict())
+    assert PrivacyLedger.from_json(path.read_text()).num_steps == 7
+    assert [p.name for p in path.parent.iterdir()] == ["ledger.json"]
+
+
+def test_a_deep_copy_of_an_autosaving_ledger_does_not_write_its_file(tmp_path):
+    import copy
+
+    path = tmp_path / "ledger.json"
+    ledger = PrivacyLedger()
+    ledger.autosave(path)
+    clone = copy.deepcopy(ledger)
+    clone.record(0.1, 1.0)
+    assert PrivacyLedger.from_json(path.read_text()).num_steps == 0

@@ -48,6 +48,7 @@ import torch
 
 from dptrain.accounting import PrivacyLedger
 from dptrain.clipping import ClippingEngine, independence, self_check
+from dptrain.clipping import engine as engine_module
 from dptrain.clipping.functions import flat_factors
 from dptrain.data.poisson import PoissonBatchSampler
 from dptrain.optim import DPOptimizer
@@ -102,17 +103,18 @@ def ledger_records_half() -> Iterator[None]:
 
 @contextlib.contextmanager
 def rows_mixed() -> Iterator[None]:
-    original = ClippingEngine._records
+    original = engine_module.build_records
 
-    def _records(self, active, live, grads, b):
-        records = original(self, active, live, grads, b)
-        return {
+    def build_records(*args, **kwargs):
+        records, views = original(*args, **kwargs)
+        mixed = {
             use: (a.reshape(-1, 1, *a.shape[2:]), g.reshape(-1, 1, *g.shape[2:]))
             for use, (a, g) in records.items()
         }
+        return mixed, views
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ClippingEngine, "_records", _records)
+        mp.setattr(engine_module, "build_records", build_records)
         mp.setattr(self_check, "run", lambda *args, **kwargs: None)
         mp.setattr(independence, "run", lambda *args, **kwargs: None)
         yield

@@ -176,3 +176,47 @@ def test_secure_mode_trains_from_os_urandom(tmp_path, monkeypatch):
     assert trainer.privacy.optimizer.steps_taken == 2
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     assert sum(drawn) >= 2 * (8 * 40 + 32 * trainable)  # sampling and noise, both steps
+
+
+def test_the_plan_is_printed_before_the_first_step_and_the_bar_shows_epsilon(tmp_path, capsys):
+    """N, q, steps, sigma, C, delta, the accountant and the target epsilon on stderr before
+    any step; Trainer's progress bar carries epsilon after every step (never below the
+    accountant's figure, exact at the last step)."""
+    tiny.quiet_transformers()
+    args = tiny.training_args(
+        str(tmp_path), gradient_accumulation_steps=1, max_steps=3, disable_tqdm=False
+    )
+    trainer = DPTrainer(
+        model=tiny.llama(),
+        args=args,
+        train_dataset=tiny.lm_records(40),
+        privacy_args=PrivacyArguments(target_epsilon=8.0, target_delta=1e-5, seed=SEED),
+    )
+    shown = []
+    real_step = trainer.training_step
+
+    def step(*a, **kw):  # what stderr holds when each step starts
+        shown.append(capsys.readouterr().err)
+        return real_step(*a, **kw)
+
+    trainer.training_step = step
+    trainer.train()
+    plan = trainer.privacy_plan
+    first = shown[0]
+    for piece in (
+        "private plan",
+        "40 examples",
+        f"{plan.sample_rate:.4g} (expected batch 4)",
+        "steps           3",
+        f"{plan.noise_multiplier:.4g}",
+        "clipping C      1 (flat)",
+        "delta           1e-05",
+        "accountant      pld",
+        "target epsilon  8",
+    ):
+        assert piece in first, piece
+    assert "private plan" not in "".join(shown[1:])  # printed once
+    curve = trainer._epsilon_curve
+    assert curve is not None and curve(3) >= trainer.epsilon() - 1e-9
+    assert all(curve(t) > 0 for t in (1, 2, 3))
+    assert f"eps=<={curve(3):.2f}" in capsys.readouterr().err

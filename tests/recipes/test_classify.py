@@ -16,6 +16,7 @@ import yaml
 
 from dptrain.accounting import PLDAccountant, PrivacyLedger, sample_rate_from_batch
 from dptrain.config import ConfigError, load_config
+from dptrain.privacy_record import read as read_record
 from dptrain.recipes import classify
 from dptrain.recipes.classify import METHODS, ClassifyTrainConfig, train_classify
 
@@ -198,6 +199,12 @@ def test_each_method_writes_the_run_folder(files, tmp_path, method):
         assert "labels are NOT protected" in scope
         assert f"{STEPS * M} subsampled Gaussian events" in saved["privacy_scope_detail"]
     assert ("OUTSIDE the formal guarantee" in scope) == (method == "dpfp-finetune")
+    record = read_record(out)  # the privacy record beside the checkpoint
+    assert record.producer == "dptrain train classify"
+    assert record.private == (not method.startswith("nonprivate"))
+    if record.private:
+        assert (record.epsilon, record.delta) == (saved["epsilon"], saved["delta"])
+        assert record.training["noise_multiplier"] == saved["noise_multiplier"]
     state = torch.load(out / "checkpoints" / "best.pt", weights_only=True)
     if method in ("nonprivate-head", "dpsgd-head", "dpfp"):  # frozen: the checkpoint is the head
         assert set(state) == {"weight", "bias"} and state["weight"].shape == (2, 16)

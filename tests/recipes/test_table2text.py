@@ -17,6 +17,7 @@ from dptrain.cli import _TRAIN_RECIPES
 from dptrain.clipping import ClippingEngine
 from dptrain.data.e2e import E2E_FILES
 from dptrain.data.tokenizer import train_tokenizer
+from dptrain.privacy_record import read as read_record
 from dptrain.recipes.table2text import (
     Table2TextConfig,
     _losses,
@@ -358,6 +359,15 @@ def test_private_run_writes_the_run_folder(tmp_path):
     assert res["steps"] == math.ceil(2 / (8 / n))
     ledger = json.loads((out / "ledger.json").read_text())
     assert sum(seg["count"] for seg in ledger["segments"]) == res["steps"]
+    # the privacy record, in the run and beside the saved model
+    record = read_record(out / "model")
+    assert record == read_record(out) and record.producer == "dptrain train table2text"
+    assert (record.epsilon, record.delta, record.accountant) == (
+        res["epsilon"],
+        res["delta"],
+        "rdp",
+    )
+    assert record.ledger == ledger
     assert res["delta"] == pytest.approx(1 / (2 * n))
     assert 7.0 < res["epsilon"] <= 8.0 * 1.001
     assert set(res["epsilon_by_accountant"]) >= {"pld", "rdp"}

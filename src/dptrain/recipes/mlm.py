@@ -95,8 +95,11 @@ from dptrain.recipes._common import (
     check_choice,
     decay_param_groups,
     epsilon_so_far,
+    print_plan,
+    recipe_privacy_record,
     report_audit,
     resolve_delta,
+    write_privacy_records,
 )
 from dptrain.recipes._schedules import (
     batch_stages,
@@ -472,6 +475,21 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
         )
         batches, opt = iter(private.data_loader), private.optimizer
         sigma = private.noise_multiplier
+        assert delta is not None
+        print_plan(
+            units=n,
+            unit=data.privacy_unit,
+            sample_rate=[b / n for b, _ in stages],
+            expected_batch=[b for b, _ in stages],
+            steps=cfg.steps,
+            noise_multiplier=sigma,
+            max_grad_norm=cfg.max_grad_norm,
+            clipping=cfg.clipping,
+            delta=delta,
+            delta_rule=cfg.delta if isinstance(cfg.delta, str) else None,
+            accountant=cfg.accountant,
+            target_epsilon=cfg.epsilon,
+        )
         canaries = attach_audit_canaries(
             cfg.audit, model.parameters(), opt, cfg.audit_canaries, cfg.seed
         )
@@ -491,6 +509,7 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    ledger.autosave(out / "ledger.json")  # after every step: a stopped run keeps its record
     save_config(cfg, out / "config.yaml")
     (out / "data.json").write_text(json.dumps(data.summary, indent=2, default=str))
     data.tokenizer.save_pretrained(str(out / "tokenizer"))
@@ -582,7 +601,6 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
     test_metrics = masked_lm_metrics(model, *test, cfg.eval_batch_size)
 
     # -- save --
-    (out / "ledger.json").write_text(ledger.to_json())
     eps = (
         {
             name: make_accountant(name, ledger).epsilon(delta)
@@ -656,6 +674,20 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
     }
     report_audit(results, canaries, delta, ledger)
     (out / "results.json").write_text(json.dumps(results, indent=2))
+    record = recipe_privacy_record(
+        "dptrain train mlm",
+        {**results, "epsilon_by_accountant": eps},
+        ledger,
+        privacy_unit=data.privacy_unit,
+        covers=[f"the {n} training chunks: the pretrained weights (model/, checkpoints/)"],
+        not_covered=[
+            results["note"],
+            "the validation and test chunks (the best step is chosen by validation "
+            "accuracy, reported without noise)",
+        ],
+        training={"schedule": results["schedule"]},
+    )
+    write_privacy_records(record, out, *([out / "model"] if cfg.save_checkpoints else []))
     # rewrite the last line with the exact final epsilon
     metrics_path.write_text("".join(json.dumps(h) + "\n" for h in history))
     _plot(history, cfg, out / "plots")

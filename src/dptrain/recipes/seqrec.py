@@ -72,6 +72,8 @@ from dptrain.recipes._common import (
     check_audit_world_size,
     check_choice,
     cycle,
+    print_plan,
+    recipe_privacy_record,
     report_audit,
     resolve_delta,
 )
@@ -444,6 +446,22 @@ def _train_seqrec(cfg: SeqRecTrainConfig, run: Launch, t0: float) -> dict[str, A
     n = len(data.train_inputs)
     plan = _plan(cfg, n, data.privacy_unit)
     model = build_model(cfg, data.n_items) if cfg.model in _NEURAL else None
+    if main and cfg.private and plan.steps:
+        assert plan.delta is not None
+        print_plan(
+            units=n,
+            unit=data.privacy_unit,
+            sample_rate=plan.sample_rate,
+            expected_batch=cfg.batch_size,
+            steps=plan.steps,
+            noise_multiplier=plan.noise_multiplier,
+            max_grad_norm=cfg.max_grad_norm,
+            clipping="flat",
+            delta=plan.delta,
+            delta_rule=cfg.delta if isinstance(cfg.delta, str) else None,
+            accountant=cfg.accountant,
+            target_epsilon=cfg.epsilon,
+        )
     out = Path(cfg.out)
     metrics_path = out / "metrics.jsonl"
     if main:
@@ -453,6 +471,8 @@ def _train_seqrec(cfg: SeqRecTrainConfig, run: Launch, t0: float) -> dict[str, A
         metrics_path.write_text("")
     gen = torch.Generator().manual_seed(cfg.seed)
     ledger = plan.ledger
+    if main:  # on disk from the start and after every step: a stopped run keeps its record
+        ledger.autosave(out / "ledger.json")
 
     needs_frequencies = cfg.model in ("dpformer", "most-popular")
     freq_note = None
@@ -479,8 +499,6 @@ def _train_seqrec(cfg: SeqRecTrainConfig, run: Launch, t0: float) -> dict[str, A
             model, data.test_inputs, data.test_targets, data.test_seen, cfg.eval_batch_size
         )
 
-    if main:
-        (out / "ledger.json").write_text(ledger.to_json())
     eps = _epsilons(ledger, plan.delta) if cfg.private and ledger.num_steps else {}
     if eps and history:  # the last point is the whole run: report the exact figure
         history[-1]["epsilon"] = eps[cfg.accountant]
@@ -516,6 +534,19 @@ def _train_seqrec(cfg: SeqRecTrainConfig, run: Launch, t0: float) -> dict[str, A
         results["world_size"] = run.world_size
     if main:
         (out / "results.json").write_text(json.dumps(results, indent=2))
+        recipe_privacy_record(
+            "dptrain train seqrec",
+            {**results, "max_grad_norm": cfg.max_grad_norm},
+            ledger,
+            privacy_unit=data.privacy_unit,
+            covers=[f"the {n} training {data.privacy_unit}s: the trained model ({cfg.model})"],
+            not_covered=[
+                results["note"],
+                "the validation and test sequences (checkpoint chosen by validation, "
+                "reported without noise)",
+            ],
+            training={"frequency_noise_multiplier": plan.frequency_noise_multiplier},
+        ).write(out)
         for line in history:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(line) + "\n")

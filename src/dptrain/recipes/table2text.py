@@ -100,8 +100,11 @@ from dptrain.recipes._common import (
     check_choice,
     cycle,
     epsilon_so_far,
+    print_plan,
+    recipe_privacy_record,
     report_audit,
     resolve_delta,
+    write_privacy_records,
 )
 from dptrain.recipes._schedules import lr_lambda
 from dptrain.supported import check_device
@@ -707,6 +710,7 @@ def fit_table2text(
             privacy_unit="example",
         )
         ledger = private.ledger
+        ledger.autosave(out / "ledger.json")  # after every step: a stopped run keeps its record
         batches = iter(private.data_loader)
         opt = private.optimizer
         canaries = attach_audit_canaries(cfg.audit, trainable, opt, cfg.audit_canaries, cfg.seed)
@@ -730,6 +734,22 @@ def fit_table2text(
     snrs: list[float] = []
     best = (math.inf, 0)
     best_state = copy.deepcopy(model.state_dict())
+    if cfg.private:
+        assert delta is not None and sigma is not None
+        print_plan(
+            units=n,
+            unit="example",
+            sample_rate=q,
+            expected_batch=min(cfg.batch_size, n),
+            steps=steps,
+            noise_multiplier=sigma,
+            max_grad_norm=cfg.max_grad_norm,
+            clipping=cfg.clipping,
+            delta=delta,
+            delta_rule=cfg.delta if isinstance(cfg.delta, str) else None,
+            accountant=cfg.accountant,
+            target_epsilon=cfg.epsilon,
+        )
     bar = tqdm(total=steps, disable=not cfg.progress, desc="table2text", unit="step")
     loss_sum, loss_n = 0.0, 0
 
@@ -792,7 +812,6 @@ def fit_table2text(
     if ledger is not None and ledger.num_steps:
         eps_all = {name: make_accountant(name, ledger).epsilon(delta) for name in ACCOUNTANTS}
         history[-1]["epsilon"] = eps_all[cfg.accountant]  # the whole run: the exact figure
-        (out / "ledger.json").write_text(ledger.to_json())
     with (out / "metrics.jsonl").open("w") as f:
         for line in history:
             f.write(json.dumps(line) + "\n")
@@ -1079,6 +1098,19 @@ def train_table2text(cfg: Table2TextConfig) -> dict[str, Any]:
     }
     report_audit(results, fitted.canaries, fitted.delta, fitted.ledger)
     (out / "results.json").write_text(json.dumps(results, indent=2))
+    record = recipe_privacy_record(
+        "dptrain train table2text",
+        results,
+        fitted.ledger,
+        privacy_unit="example",
+        covers=[f"the {n} training (table, text) pairs: the trained weights (model/)"],
+        not_covered=[
+            results["note"],
+            f"the base model and tokenizer ({results['model']}; {fitted.tokenizer_note})",
+        ],
+        training={"lora_r": cfg.lora_r, "clipping": cfg.clipping},
+    )
+    write_privacy_records(record, out, *([out / "model"] if cfg.save_checkpoint else []))
     _plot(fitted.history, cfg, out / "plots")
     return results
 

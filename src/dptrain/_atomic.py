@@ -1,0 +1,30 @@
+"""Writing a file so that a reader, or a run killed mid-write, never sees half of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_json_atomically"]
+
+
+def write_json_atomically(path: str | os.PathLike, data: Any) -> Path:
+    """Write ``data`` as JSON to ``path`` through a temporary sibling and a rename.
+
+    A reader (or a run killed mid-write) sees the old file or the new one, never half of
+    one: how a ledger written during training stays readable at every moment.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=2, default=str) + "\n")
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    return path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dptrain.accounting import PrivacyLedger, make_accountant
-from dptrain.progress import EpsilonCurve, delta_warning, plan_text
+from dptrain.progress import EpsilonBar, EpsilonCurve, delta_warning, plan_text
 
 
 def _epsilon(schedule, t, delta, accountant="pld"):
@@ -69,3 +69,29 @@ def test_plan_names_every_figure_and_warns_of_a_delta_above_one_over_n():
     assert delta_warning(1 / 270, 270) is not None and delta_warning(1e-5, 270) is None
     assert "delta=0.02 is not below 1/N = 1/54 users" in delta_warning(0.02, 54, "user")
     assert delta_warning(0.01, 54, "user") is None  # 1/(2N)-like: below 1/N
+
+
+def test_the_bar_shows_the_epsilon_spent_after_every_step_beside_other_figures():
+    import io
+
+    curve = EpsilonCurve([(0.1, 1.0, 6)], 1e-5, "rdp")
+    out = io.StringIO()
+    bar = EpsilonBar(total=3, file=out, curve=curve, events_per_step=2, mininterval=0)
+    shown = []
+    for step in range(1, 4):
+        bar.update(1)
+        shown.append(bar.postfix)
+        if step == 2:
+            bar.set_postfix(loss="0.5")  # another figure: epsilon stays
+    bar.close()
+    assert shown[0] == f"eps=<={curve(2):.2f}" and shown[1] == f"eps=<={curve(4):.2f}"
+    assert shown[2] == f"eps=<={curve(6):.2f}, loss=0.5"
+    assert curve(2) < curve(4) < curve(6)
+
+
+def test_a_disabled_bar_evaluates_no_epsilon():
+    curve = EpsilonCurve([(0.1, 1.0, 6)], 1e-5, "rdp")
+    bar = EpsilonBar(total=3, disable=True, curve=curve)
+    bar.update(1)
+    bar.close()
+    assert curve._values == {}

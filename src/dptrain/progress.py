@@ -7,6 +7,8 @@ epsilon spent at every step.
 - :func:`delta_warning`: delta is meant to be well below 1/N: a mechanism that publishes
   one random record outright is (0, 1/N)-DP, so delta >= 1/N protects nobody
   (Dwork & Roth 2014, §2.3; Ponomareva et al. 2023, "How to DP-fy ML", §5.2).
+- :class:`EpsilonBar`: a tqdm bar that shows the epsilon spent after every step (from
+  an :class:`EpsilonCurve`), beside whatever else the run puts on it.
 - :class:`EpsilonCurve`: epsilon after each step of a fixed schedule, cheap enough for a
   progress bar at every step. A PLD evaluation costs 0.1-0.2 s on a 1e-3 grid (0.7-1.8 s
   at the 1e-4 of the final figure; measured on 2 CPU cores, q 0.01-0.15, 1-10,000 steps),
@@ -22,9 +24,11 @@ import bisect
 import math
 from collections.abc import Sequence
 
+from tqdm.auto import tqdm
+
 from dptrain.accounting import PrivacyLedger, make_accountant
 
-__all__ = ["EpsilonCurve", "delta_warning", "plan_text"]
+__all__ = ["EpsilonBar", "EpsilonCurve", "delta_warning", "plan_text"]
 
 
 def delta_warning(delta: float, units: int, unit: str = "record") -> str | None:
@@ -145,3 +149,32 @@ class EpsilonCurve:
         if t not in self._values:
             self._values[t] = self._epsilon_at(t)
         return self._values[t]
+
+
+class EpsilonBar(tqdm):
+    """A progress bar that shows ``eps=<=...`` after every step: the epsilon spent so
+    far, an upper bound from ``curve`` (None: a non-private run, nothing shown). Other
+    figures set with ``set_postfix`` are kept beside it (a later ``eps=`` from the ledger
+    replaces the bound until the next step). ``events_per_step``: ledger steps per bar
+    step (DP-FP's micro-batches)."""
+
+    def __init__(
+        self, *args, curve: EpsilonCurve | None = None, events_per_step: int = 1, **kwargs
+    ) -> None:
+        self._curve = curve
+        self._per_step = events_per_step
+        self._done = 0
+        self._shown: dict[str, object] = {}
+        super().__init__(*args, **kwargs)
+
+    def update(self, n: float | None = 1) -> bool | None:
+        self._done += int(n or 0)
+        if self._curve is not None and not self.disable:
+            events = min(self._done * self._per_step, self._curve.steps)
+            self._shown["eps"] = f"<={self._curve(events):.2f}"
+            super().set_postfix(self._shown, refresh=False)
+        return super().update(n)
+
+    def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
+        self._shown.update(ordered_dict or {}, **kwargs)
+        super().set_postfix(self._shown, refresh=refresh)

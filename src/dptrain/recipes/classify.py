@@ -87,6 +87,7 @@ from dptrain.dpfp import DPForwardLayer, DPFPTrainer
 from dptrain.models.pretrained import SMOLLM2
 from dptrain.models.text_classifier import LabelWordHead, PooledEncoder, TextClassifier
 from dptrain.privacy_engine import make_private
+from dptrain.progress import EpsilonBar, EpsilonCurve
 from dptrain.recipes._causal_lm import (
     LLAMA_PROJECTIONS,
     add_lora,
@@ -1075,8 +1076,20 @@ def _train(cfg, plan: _Plan, classifier: TextClassifier, splits, encoder_key: st
     evals[plan.steps] = cfg.epochs
     history: list[dict[str, Any]] = []
     best: dict[str, Any] = {"dev_accuracy": -1.0}
-    bar = tqdm(
-        total=plan.steps, disable=not (cfg.progress and run.is_main), desc=cfg.method, unit="step"
+    m = cfg.micro_batches if cfg.method in _DPFP else 1  # DP-FP: T x M ledger events
+    bar = EpsilonBar(
+        total=plan.steps,
+        disable=not (cfg.progress and run.is_main),
+        desc=cfg.method,
+        unit="step",
+        curve=EpsilonCurve(
+            [(plan.sample_rate / m, plan.noise_multiplier, plan.steps * m)],
+            plan.delta,
+            cfg.accountant,
+        )
+        if cfg.private
+        else None,
+        events_per_step=m,
     )
     loss_sum, loss_n = 0.0, 0
     eval_time = 0.0

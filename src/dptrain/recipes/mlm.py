@@ -79,7 +79,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from dptrain._checks import check_in_interval, check_int, check_positive
 from dptrain.accounting import ACCOUNTANTS, PrivacyLedger, make_accountant
@@ -88,6 +87,7 @@ from dptrain.data.mlm import MLMData, load_mlm_data
 from dptrain.data.poisson import DPDataLoader
 from dptrain.losses import per_example_cross_entropy
 from dptrain.privacy_engine import make_private
+from dptrain.progress import EpsilonBar, EpsilonCurve
 from dptrain.recipes._common import (
     DELTA_RULES,
     attach_audit_canaries,
@@ -524,7 +524,15 @@ def train_mlm(cfg: MLMTrainConfig, data: MLMData | None = None) -> dict[str, Any
     examples = 0
     expected_examples = 0
     initial_norms = _norms(model)
-    bar = tqdm(total=cfg.steps, disable=not cfg.progress, desc="mlm", unit="step")
+    bar = EpsilonBar(
+        total=cfg.steps,
+        disable=not cfg.progress,
+        desc="mlm",
+        unit="step",
+        curve=EpsilonCurve([(b / n, sigma, k) for b, k in stages], delta, cfg.accountant)
+        if private is not None
+        else None,
+    )
     spent = 0.0
     model.train()
     with metrics_path.open("a") as metrics_file:

@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from dptrain._checks import check_in_interval, check_int, check_positive
 from dptrain.accounting import (
@@ -65,6 +64,7 @@ from dptrain.losses import per_example_cross_entropy
 from dptrain.mechanisms import dp_item_counts, item_presence_counts
 from dptrain.metrics.ranking import ranking_metrics, target_ranks
 from dptrain.privacy_engine import make_private
+from dptrain.progress import EpsilonBar, EpsilonCurve
 from dptrain.recipes._common import (
     DELTA_RULES,
     attach_audit_canaries,
@@ -614,8 +614,16 @@ def _train(cfg, data, plan: _Plan, model: nn.Module, ledger: PrivacyLedger, out:
     best_state = None
     history: list[dict[str, Any]] = []
     eps_curve = [(0, _spent(ledger, plan, cfg.accountant))]
-    bar = tqdm(
-        total=plan.steps, disable=not (cfg.progress and run.is_main), desc=cfg.model, unit="step"
+    bar = EpsilonBar(
+        total=plan.steps,
+        disable=not (cfg.progress and run.is_main),
+        desc=cfg.model,
+        unit="step",
+        curve=EpsilonCurve(
+            [(plan.sample_rate, plan.noise_multiplier, plan.steps)], plan.delta, cfg.accountant
+        )
+        if cfg.private
+        else None,
     )
     # step -> epoch after which to evaluate (every eval_every epochs, and the last step)
     evals = {

@@ -70,7 +70,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from dptrain._checks import check_in_interval, check_int, check_positive
 from dptrain.accounting import (
@@ -87,6 +86,7 @@ from dptrain.config import save_config
 from dptrain.data.e2e import load_e2e
 from dptrain.losses import per_example_cross_entropy
 from dptrain.precision import amp_context, check_amp
+from dptrain.progress import EpsilonBar, EpsilonCurve
 from dptrain.recipes._causal_lm import (
     LLAMA_PROJECTIONS,
     add_lora,
@@ -750,7 +750,13 @@ def fit_table2text(
             accountant=cfg.accountant,
             target_epsilon=cfg.epsilon,
         )
-    bar = tqdm(total=steps, disable=not cfg.progress, desc="table2text", unit="step")
+    bar = EpsilonBar(
+        total=steps,
+        disable=not cfg.progress,
+        desc="table2text",
+        unit="step",
+        curve=EpsilonCurve([(q, sigma, steps)], delta, cfg.accountant) if cfg.private else None,
+    )
     loss_sum, loss_n = 0.0, 0
 
     def chunk_losses(ids: Tensor, mask: Tensor, labels: Tensor) -> Tensor:

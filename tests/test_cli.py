@@ -386,6 +386,7 @@ _SETTINGS_COMMANDS = [
     (["audit", "mia"], "dptrain.recipes.audit_mia", "MIAAuditConfig"),
     (["audit", "one-run"], "dptrain.recipes.audit_one_run", "OneRunAuditConfig"),
     (["audit", "exposure"], "dptrain.recipes.exposure", "ExposureAuditConfig"),
+    (["audit", "properties"], "dptrain.recipes.audit_properties", "PropertiesConfig"),
     (["demo"], "dptrain.recipes.demo", "DemoConfig"),
     (["experiment", "dpformer"], "dptrain.recipes.dpformer_experiment", "DPFormerExperimentConfig"),
     (["experiment", "dpfp"], "dptrain.recipes.dpfp_experiment", "DPFPExperimentConfig"),

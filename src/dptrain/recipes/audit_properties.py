@@ -46,20 +46,27 @@ class PropertiesConfig:
     batch_size: int = 100
     """Expected logical batch size q N (Poisson sampling)."""
     steps: int = 20
+    """Private steps run for the checks (each a Poisson-sampled logical batch)."""
     max_grad_norm: float = 2.0
+    """C; not 1, so that a noise std computed without C shows."""
     epsilon: float = 8.0
     """Target epsilon over ``steps`` (sigma calibrated by ``accountant``)."""
     noise_multiplier: float = 0.0
     """sigma given directly instead of ``epsilon`` (0: calibrate)."""
     delta: float = 1e-5
+    """delta of the target (epsilon, delta)."""
     accountant: str = "pld"
+    """Accountant that calibrates sigma: ``pld``, ``rdp`` or ``gdp``."""
     alpha: float = DEFAULT_ALPHA
     """A correct run is flagged with probability below alpha."""
     probe_records: int = 4
+    """Records of the first chunk the sensitivity probe scales, one at a time."""
     coordinates: int = 65_536
     """Per tensor, at most this many coordinates are kept for the noise checks."""
     seed: int = 0
+    """Fixes the data, sampling and noise."""
     out: str = "runs/audit-properties"
+    """Output folder (results.json; an existing one is never overwritten)."""
 
 
 def load_properties_config(

@@ -138,3 +138,16 @@ def test_cuda_float32_output_gemm_equals_the_cpu_reference():
     on_gpu = LinearRule().clipped_sum(module.cuda(), a.cuda(), g.cuda(), c.cuda())["weight"]
     on_cpu = LinearRule().clipped_sum(module.cpu(), a, g, c)["weight"]
     assert torch.allclose(on_gpu.cpu(), on_cpu, rtol=1e-5, atol=1e-6)
+
+
+def test_a_torch_without_float32_output_gemms_falls_back_to_float32(monkeypatch):
+    # As if on CUDA with a torch whose mm/bmm lack out_dtype (here: the CPU's, which raise).
+    import dptrain.clipping.tensor_cores as tc
+
+    monkeypatch.setattr(tc, "tensor_cores", lambda *tensors: True)
+    monkeypatch.setitem(tc._OUT_DTYPE, "ok", True)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 8, 4, generator=gen).bfloat16()
+    got = tc.bmm_f32(x, x.transpose(1, 2))
+    assert got.dtype == torch.float32 and not tc._OUT_DTYPE["ok"]
+    assert torch.allclose(got.double(), torch.bmm(x.double(), x.double().transpose(1, 2)))

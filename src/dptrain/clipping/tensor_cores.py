@@ -97,18 +97,35 @@ def _count(flops: int, *tensors: Tensor) -> None:
         _EMULATED["ops"] -= sum(t.dtype in LOW_PRECISION_RECORDS for t in tensors)
 
 
+# Whether this torch has float32-output low-precision GEMMs (``out_dtype``, torch >=
+# 2.8 on CUDA); learnt at the first call, so an older build falls back to float32.
+_OUT_DTYPE = {"ok": True}
+
+
+def _low_precision_gemm(op, x: Tensor, y: Tensor) -> Tensor | None:
+    if not (_OUT_DTYPE["ok"] and tensor_cores(x, y)):
+        return None
+    try:
+        return op(x, y, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        _OUT_DTYPE["ok"] = False  # the same products in float32 below
+        return None
+
+
 def mm_f32(x: Tensor, y: Tensor) -> Tensor:
     """x @ y in float32 for 2-D x, y: tensor cores on CUDA for bf16/fp16 operands."""
-    if tensor_cores(x, y):
-        return torch.mm(x, y, out_dtype=torch.float32)
+    out = _low_precision_gemm(torch.mm, x, y)
+    if out is not None:
+        return out
     _count(2 * x.shape[0] * x.shape[1] * y.shape[1], x, y)
-    return torch.mm(x.float() if x.dtype in LOW_PRECISION_RECORDS else x, _up(y))
+    return torch.mm(_up(x), _up(y))
 
 
 def bmm_f32(x: Tensor, y: Tensor) -> Tensor:
     """x @ y in float32 for 3-D x, y (batched): tensor cores on CUDA for bf16/fp16."""
-    if tensor_cores(x, y):
-        return torch.bmm(x, y, out_dtype=torch.float32)
+    out = _low_precision_gemm(torch.bmm, x, y)
+    if out is not None:
+        return out
     _count(2 * x.shape[0] * x.shape[1] * x.shape[2] * y.shape[2], x, y)
     return torch.bmm(_up(x), _up(y))
 
@@ -134,8 +151,8 @@ def scaled_split(x: Tensor, factors: Tensor) -> tuple[Tensor, ...]:
     """
     c = round_down_bf16(factors).to(x.device)
     scaled = x.float() * c.view(-1, *([1] * (x.dim() - 1)))  # exact: 8 x 8 bits
-    if not (x.is_cuda and x.dtype == torch.bfloat16):
-        return (scaled,)
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and _OUT_DTYPE["ok"]):
+        return (scaled,)  # one float32 GEMM: two would be float32 too
     return split_bf16(scaled)
 
 

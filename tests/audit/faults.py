@@ -238,6 +238,7 @@ def ledger_sigma_times(k: float) -> Iterator[None]:
 
 FAULTS = {
     "noise/4": lambda: noise_divided_by(4.0),
+    "noise/2": lambda: noise_divided_by(2.0),
     "clipping off": clipping_off,
     "ledger half": ledger_records_half,
     "rows mixed": rows_mixed,

@@ -25,12 +25,16 @@ GDP = "mahloujifar2025-gdp"
 SMALL = ["width=128", "classes=256", "canaries=4000"]
 
 
-def audit(epsilon, fault=None, overrides=(), tests=8):
+def audit(epsilon, fault=None, overrides=(), tests=(8,)):
+    """(claimed epsilon, the Gaussian f-DP bound at each family size in ``tests``...)."""
     cfg = load_one_run_config(None, ["mode=blackbox", f"epsilon={epsilon}", *overrides])
     with faults.FAULTS[fault]() if fault else contextlib.nullcontext():
         claimed, scores, included = blackbox_run(cfg, progress=False)
-    found = audit_scores({"loss": scores}, included, DELTA, 0.95, methods=[GDP], tests=tests)
-    return claimed, found[0].epsilon
+    found = [
+        audit_scores({"loss": scores}, included, DELTA, 0.95, methods=[GDP], tests=k)[0].epsilon
+        for k in tests
+    ]
+    return claimed, *found
 
 
 def test_a_correct_small_run_is_not_flagged():
@@ -48,10 +52,13 @@ def test_clipping_off_is_flagged_in_a_small_run():
 @pytest.mark.slow
 @pytest.mark.parametrize("epsilon", [1.0, 3.0, 8.0])
 def test_a_correct_run_is_not_flagged(epsilon):
-    claimed, bound = audit(epsilon)
-    assert bound <= claimed
+    claimed, bound, alone = audit(epsilon, tests=(8, 1))
+    assert bound <= claimed and alone <= claimed
     if epsilon == 8.0:
-        assert bound >= 0.4 * claimed  # the black-box audit has power too (3.78 of 8)
+        # the black-box audit has power too: as one test, more than half the claim; in the
+        # self-test's family of 8 the correction costs some of it (3.78 of 8 measured)
+        assert alone >= claimed / 2
+        assert bound >= 0.4 * claimed
 
 
 @pytest.mark.slow

@@ -117,6 +117,7 @@ FAST = [
 FULL = [
     ("noise on the mean", None),
     ("noise/4", None),
+    ("noise/2", None),
     ("clipping at 2C", None),
     ("ledger told 2 sigma", None),
     ("each example twice", None),
@@ -165,7 +166,9 @@ def test_canaries_at_exactly_c_miss_clipping_off():
 def test_a_non_private_run_gives_a_large_lower_bound():
     claimed, canaries = audited_run(None, noise_multiplier=1e-3, d=SMALL, steps=4)
     assert claimed is None  # sigma <= 0.1: no claim is computed
-    assert bounds(canaries)[("sum", GDP)] > 8
+    assert bounds(canaries)[("sum", GDP)] > 10  # 10.9 here, within the family of 8 tests
+    # Steinke et al.'s (epsilon, delta) bound is capped by its 2 m delta term (4.3 here)
+    assert canaries.audit(DELTA).epsilon > 4
 
 
 def test_poisson_sampled_run_is_not_flagged_and_says_what_it_cannot_see():

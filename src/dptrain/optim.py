@@ -31,8 +31,7 @@ from torch import Tensor
 from dptrain._checks import check_int, check_positive, check_sample_rate
 from dptrain.accounting import PrivacyLedger
 from dptrain.clipping.engine import ClippingEngine, ClipStats
-from dptrain.clipping.grad_store import LOW_PRECISION
-from dptrain.clipping.precision import upcast
+from dptrain.clipping.precision import LOW_PRECISION, upcast
 from dptrain.generators import canonical_device, restore_generator
 from dptrain.secure_random import secure_normal
 

@@ -66,9 +66,9 @@ from dptrain.clipping import independence, self_check, shared_table
 from dptrain.clipping.decisions import RowDecisions
 from dptrain.clipping.errors import UnclippedGradientError, UnsupportedModelError
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
-from dptrain.clipping.grad_store import LOW_PRECISION, GradStore
+from dptrain.clipping.grad_store import GradStore
 from dptrain.clipping.graph_check import grad_node, interior, parameter_uses
-from dptrain.clipping.precision import upcast
+from dptrain.clipping.precision import LOW_PRECISION, upcast
 from dptrain.clipping.records import (
     AutocastCopies,
     Call,

@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LOW_PRECISION", "GradStore"]
+from dptrain.clipping.precision import LOW_PRECISION  # parameters whose sums stay float32
 
-#: Parameter dtypes whose clipped sums are kept in float32 beside p.grad.
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+__all__ = ["LOW_PRECISION", "GradStore"]
 
 
 class GradStore:

@@ -22,7 +22,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["tf32_in_use", "tolerance_dtype", "tolerance_dtypes", "upcast"]
+__all__ = ["LOW_PRECISION", "tf32_in_use", "tolerance_dtype", "tolerance_dtypes", "upcast"]
+
+#: The low-precision float dtypes: records, parameters and sums in them need float32 work.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def tf32_in_use(device: torch.device | str, model: nn.Module | None = None) -> bool:
@@ -61,4 +64,4 @@ def tolerance_dtypes(model: nn.Module) -> Callable[[torch.dtype, torch.device], 
 
 def upcast(t: Tensor) -> Tensor:
     """float16/bfloat16 -> float32; other dtypes unchanged (norms and sums need the range)."""
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    return t.float() if t.dtype in LOW_PRECISION else t

@@ -20,8 +20,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 from torch.utils._pytree import tree_flatten, tree_map
 
-from dptrain.clipping.grad_store import LOW_PRECISION
-from dptrain.clipping.precision import upcast
+from dptrain.clipping.precision import LOW_PRECISION, upcast
 from dptrain.clipping.rules import LayerRule, _param, _trainable
 
 __all__ = [

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dptrain.clipping.tensor_cores import LOW_PRECISION_RECORDS, bmm_f32, mm_f32, scaled_cross
+from dptrain.clipping.precision import LOW_PRECISION, upcast
+from dptrain.clipping.tensor_cores import bmm_f32, mm_f32, scaled_cross
 
 __all__ = [
     "RULES",
@@ -133,7 +134,7 @@ def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
     projections share one input, as do a gated MLP's gate and up projections.
     """
     if x.shape[1] == 1:  # ||x||^2 ||y||^2, no T x T matrices
-        return _up(x).pow(2).sum((1, 2)) * _up(y).pow(2).sum((1, 2))
+        return upcast(x).pow(2).sum((1, 2)) * upcast(y).pow(2).sum((1, 2))
     total = 0
     for (weight, gx), (_, gy) in zip(_gram_blocks_cached(x), _gram_blocks(y), strict=True):
         total = total + weight * (gx * gy).sum((1, 2))
@@ -213,7 +214,7 @@ class LinearRule(LayerRule):
             w = bmm_f32(g.transpose(1, 2), a)  # (B, p, d); bmm: ~4x einsum's speed on CPU
             out["weight"] = w.transpose(1, 2) if self.transposed else w
         if _trainable(getattr(module, "bias", None)):
-            out["bias"] = _up(g).sum(1)
+            out["bias"] = upcast(g).sum(1)
         return out
 
     def norms_sq(self, module, a, g, ghost):
@@ -224,7 +225,7 @@ class LinearRule(LayerRule):
         if _trainable(module.weight):
             out["weight"] = _gram_inner(a, g)
         if _trainable(getattr(module, "bias", None)):
-            out["bias"] = _up(g).sum(1).pow(2).sum(1)
+            out["bias"] = upcast(g).sum(1).pow(2).sum(1)
         return out
 
     def clipped_sum(self, module, a, g, factors):
@@ -234,15 +235,15 @@ class LinearRule(LayerRule):
             # sum_i c_i g_i^T a_i = g^T (c * a) = (c * g)^T a: scale the narrower operand
             # (for an LM head a is (B, T, d) and g (B, T, vocab)).
             scale_a = a.shape[-1] <= g.shape[-1]
-            if a.dtype in LOW_PRECISION_RECORDS and a.dtype == g.dtype:
+            if a.dtype in LOW_PRECISION and a.dtype == g.dtype:
                 w = scaled_cross(g, a, factors, scale_x=not scale_a)  # (p, d), tensor_cores.py
             elif scale_a:
-                w = mm_f32(g.flatten(0, 1).T, _scale_rows(_up(a), factors).flatten(0, 1))
+                w = mm_f32(g.flatten(0, 1).T, _scale_rows(upcast(a), factors).flatten(0, 1))
             else:
-                w = mm_f32(_scale_rows(_up(g), factors).flatten(0, 1).T, a.flatten(0, 1))
+                w = mm_f32(_scale_rows(upcast(g), factors).flatten(0, 1).T, a.flatten(0, 1))
             out["weight"] = w.T if self.transposed else w
         if _trainable(getattr(module, "bias", None)):
-            g_sum = _up(g).sum(1)
+            g_sum = upcast(g).sum(1)
             out["bias"] = torch.einsum("b,bp->p", factors.to(g_sum.dtype), g_sum)
         return out
 
@@ -411,11 +412,6 @@ def embedding_ghost_norm(x: Tensor, g: Tensor) -> Tensor:
     """sum_{t,s: x_t = x_s} <g_t, g_s> per example: ||X^T g||^2 without the V x d matrix, (B,)."""
     same = (x.unsqueeze(2) == x.unsqueeze(1)).to(g.dtype)  # (B, T, T)
     return (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
-
-
-def _up(t: Tensor) -> Tensor:
-    """float32 for a bf16/fp16 tensor (sums and squares need the range and the bits)."""
-    return t.float() if t.dtype in LOW_PRECISION_RECORDS else t
 
 
 def _scale_rows(x: Tensor, factors: Tensor) -> Tensor:

@@ -38,8 +38,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dptrain.clipping.precision import LOW_PRECISION, upcast
+
 __all__ = [
-    "LOW_PRECISION_RECORDS",
     "bmm_f32",
     "flops_emulated",
     "mm_f32",
@@ -51,8 +52,6 @@ __all__ = [
     "tensor_cores",
 ]
 
-#: Record dtypes whose products are formed as bf16/fp16 GEMMs with float32 output.
-LOW_PRECISION_RECORDS = (torch.bfloat16, torch.float16)
 
 # FLOPs of GEMMs that run on tensor cores on CUDA but were computed in float32 here (no
 # float32-output low-precision GEMM on this device), and FLOPs CUDA runs that this device
@@ -78,7 +77,7 @@ def tensor_cores(*tensors: Tensor) -> bool:
     first = tensors[0]
     return (
         first.is_cuda
-        and first.dtype in LOW_PRECISION_RECORDS
+        and first.dtype in LOW_PRECISION
         and all(t.dtype == first.dtype and t.is_cuda for t in tensors)
     )
 
@@ -91,10 +90,10 @@ def ops_emulated() -> int:
 
 
 def _count(flops: int, *tensors: Tensor) -> None:
-    if _EMULATED["on"] and all(t.dtype in LOW_PRECISION_RECORDS for t in tensors):
+    if _EMULATED["on"] and all(t.dtype in LOW_PRECISION for t in tensors):
         _EMULATED["flops"] += flops
     if _EMULATED["on"]:
-        _EMULATED["ops"] -= sum(t.dtype in LOW_PRECISION_RECORDS for t in tensors)
+        _EMULATED["ops"] -= sum(t.dtype in LOW_PRECISION for t in tensors)
 
 
 # Whether this torch has float32-output low-precision GEMMs (``out_dtype``, torch >=
@@ -118,7 +117,7 @@ def mm_f32(x: Tensor, y: Tensor) -> Tensor:
     if out is not None:
         return out
     _count(2 * x.shape[0] * x.shape[1] * y.shape[1], x, y)
-    return torch.mm(_up(x), _up(y))
+    return torch.mm(upcast(x), upcast(y))
 
 
 def bmm_f32(x: Tensor, y: Tensor) -> Tensor:
@@ -127,11 +126,7 @@ def bmm_f32(x: Tensor, y: Tensor) -> Tensor:
     if out is not None:
         return out
     _count(2 * x.shape[0] * x.shape[1] * x.shape[2] * y.shape[2], x, y)
-    return torch.bmm(_up(x), _up(y))
-
-
-def _up(t: Tensor) -> Tensor:
-    return t.float() if t.dtype in LOW_PRECISION_RECORDS else t
+    return torch.bmm(upcast(x), upcast(y))
 
 
 def round_down_bf16(c: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ import json
 import os
 from typing import Any
 
+from dptrain._atomic import write_json_atomically
 from dptrain.hf.errors import PrivacyCheckpointError
 from dptrain.hf.plan import PrivacyPlan
 from dptrain.privacy_engine import PrivateTraining
@@ -40,13 +41,7 @@ def save_state(folder: str, plan: PrivacyPlan, private: PrivateTraining) -> None
         "sampler": private.data_loader.state_dict(),
         "ledger": private.ledger.state_dict(),
     }
-    path = os.path.join(folder, STATE_FILE)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json_atomically(os.path.join(folder, STATE_FILE), state, durable=True)
 
 
 def restore_sampler(folder: str, plan: PrivacyPlan, private: PrivateTraining) -> int:

@@ -83,6 +83,8 @@ class _PrivateLoader:
         self.loader = loader
         self.optimizer = optimizer
         self.pending_units: collections.deque[ChunkUnits] = collections.deque()
+        # rows of padding at the end of each chunk (equal chunks on a sharded model)
+        self.pending_padding: collections.deque[int] = collections.deque()
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -91,6 +93,7 @@ class _PrivateLoader:
         for batch in self.loader:
             self.optimizer.set_sample_rate(batch.sample_rate, self.loader.dataset_size)
             self.pending_units = collections.deque(batch.units or [])
+            self.pending_padding = collections.deque(getattr(batch, "padding", None) or [])
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -98,6 +101,10 @@ class _PrivateLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
+
+
+def _without_padding(stats: ClipStats, keep: int) -> ClipStats:
+    return ClipStats(stats.norms[:keep], stats.factors[:keep], stats.max_grad_norm)
 
 
 @dataclass
@@ -125,6 +132,8 @@ class PrivateTraining:
         each user's summed gradient as one; a user cut across chunks is clipped at its
         last chunk (the figures of the other parts are empty).
         """
+        if self.data_loader.pending_padding:
+            return self._backward_padded(per_example_losses)
         if not self.by_user:
             return self.engine.backward(per_example_losses)
         pending = self.data_loader.pending_units
@@ -147,6 +156,24 @@ class PrivateTraining:
             return self.engine.close_unit()
         empty = torch.zeros(0)
         return ClipStats(empty, empty, self.engine.max_grad_norm)
+
+    def _backward_padded(self, per_example_losses: Tensor) -> ClipStats:
+        """A chunk whose last rows are padding (every rank of a sharded model runs the same
+        chunks): their losses are multiplied by 0 before the engine's backward, so their
+        rows of every output gradient, and their clipped gradients, are exactly zero."""
+        pad = self.data_loader.pending_padding.popleft()
+        b = per_example_losses.shape[0]
+        if per_example_losses.dim() != 1 or b < pad:
+            raise ValueError(
+                f"per_example_losses has shape {tuple(per_example_losses.shape)}, but the next "
+                f"chunk of the batch ends in {pad} rows of padding: pass the chunks in order, "
+                "one loss per record"
+            )
+        # multiplied even where nothing is padded: every rank's graph has the same shape
+        # (the engine's checks run on new graph shapes, and all ranks must run them alike)
+        keep = torch.ones(b, dtype=per_example_losses.dtype, device=per_example_losses.device)
+        keep[b - pad :] = 0
+        return _without_padding(self.engine.backward(per_example_losses * keep), b - pad)
 
     def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
         """epsilon spent so far (from the ledger), at ``delta`` (default: the target delta)."""
@@ -242,6 +269,42 @@ def make_private(
             must be None.
     """
     batch_size = _batch_size_of(data, batch_size)
+    # imported here: dptrain.distributed builds on this module
+    from dptrain.distributed import fsdp
+
+    fsdp.refuse_fsdp1(model)
+    if fsdp.is_fsdp2(model) and not fsdp.wrapping_now():
+        if secure_mode:
+            raise ValueError(
+                "secure_mode=True with an FSDP2-sharded model: not supported yet (the "
+                "sharded noise is keyed by a seed); train without secure_mode"
+            )
+        from dptrain.distributed import make_private_distributed
+
+        # a sharded model spans ranks: the same call on every rank, sums reduced in shards
+        return make_private_distributed(
+            model,
+            optimizer,
+            data,
+            batch_size=batch_size,
+            max_grad_norm=max_grad_norm,
+            epochs=epochs,
+            steps=steps,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            noise_multiplier=noise_multiplier,
+            clipping=clipping,
+            mode=mode,
+            norm_method=norm_method,
+            accountant=accountant,
+            max_physical_batch_size=max_physical_batch_size,
+            collate_fn=collate_fn,
+            chunk_key=chunk_key,
+            seed=seed,
+            privacy_unit=privacy_unit,
+            user_ids=user_ids,
+            ledger=ledger,
+        )
     if secure_mode and seed is not None:
         raise ValueError(
             f"secure_mode=True with seed={seed!r}: secure noise and sampling come from the "

@@ -39,7 +39,8 @@ class Sums(Protocol):
         """Names of the clipped parameters some record of this chunk reaches."""
 
     def parameter(self, name: str) -> nn.Parameter:
-        """The clipped parameter called ``name``."""
+        """The clipped parameter called ``name`` as autograd's graph holds it (under FSDP2:
+        the unsharded parameter its module's forward used)."""
 
     def owners(self, name: str) -> list[Owner]:
         """The modules whose rules cover parameter ``name``."""

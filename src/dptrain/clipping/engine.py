@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -66,7 +66,7 @@ from dptrain.clipping import independence, self_check, shared_table
 from dptrain.clipping.decisions import RowDecisions
 from dptrain.clipping.errors import UnclippedGradientError, UnsupportedModelError
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
-from dptrain.clipping.grad_store import GradStore
+from dptrain.clipping.grad_store import GradStore, ParameterSharding
 from dptrain.clipping.graph_check import grad_node, interior, parameter_uses
 from dptrain.clipping.precision import LOW_PRECISION, upcast
 from dptrain.clipping.records import (
@@ -213,6 +213,8 @@ class ClippingEngine:
         self._probe_pool: independence.SummaryPool | None = None
         # What is known about which rows are whose, and what each chunk must establish.
         self._rows = RowDecisions()
+        # A model sharded across ranks (FSDP2): where autograd's parameters are (shard()).
+        self._sharding: ParameterSharding | None = None
         self.self_checks = 0
         """How many chunks were checked exactly so far (new layout patterns)."""
         self.streamed: tuple[str, ...] = ()
@@ -363,6 +365,35 @@ class ClippingEngine:
     def parameter_names(self) -> list[str]:
         """Names of the parameters the engine clips."""
         return list(self._groups)
+
+    @property
+    def module_rules(self) -> dict[str, LayerRule]:
+        """{module name: the rule that clips it}, one per clipped module."""
+        return {u.name: u.rule for u in self._uses.values()}
+
+    def shard(self, sharding: ParameterSharding, store: GradStore) -> None:
+        """Clip a model whose parameters are sharded across ranks (FSDP2).
+
+        ``sharding`` maps each parameter (the shard the optimizer holds) to the tensor
+        autograd's graph holds (:mod:`dptrain.distributed.fsdp`); ``store`` takes the
+        clipped sums (reduced over the ranks into each rank's shard:
+        :mod:`dptrain.distributed.sharded_sums`). Every rank then adds every parameter's
+        sum in one order, and the sums are always formed from the records (ghost's
+        second backward would go through FSDP's own, unclipped, gradient path).
+        """
+        if self._open_unit is not None or self._uses_with_calls():
+            raise RuntimeError("shard() must be called before the first forward pass")
+        self._sharding = sharding
+        self._store = store
+
+    def _uses_with_calls(self) -> bool:
+        return any(u.calls for u in self._uses.values())
+
+    def graph_parameter(self, name: str) -> Tensor:
+        """The clipped parameter called ``name`` as autograd's graph holds it: the
+        parameter itself, or under FSDP2 the unsharded tensor its module's forward used."""
+        p = self.parameter(name)
+        return p if self._sharding is None else self._sharding.graph_parameter(p)
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters the engine clips (every trainable parameter of the model)."""
@@ -600,6 +631,13 @@ class ClippingEngine:
             shape = self._batch_shape or (b,)
             new_patterns, by_data = self._rows.layouts(active, live, b, shape)
             check = self._rows.needs_full_check(new_patterns, b)
+            if self._sharding is not None:
+                # Every pass gathers parameters from all ranks, so every rank must run the
+                # same passes: one decision for all. Rows the data decide get the full
+                # check (its passes depend on b alone, equal on all ranks) on every chunk.
+                check = self._sharding.any_rank(
+                    check or bool(by_data) or bool(self._rows.selections)
+                )
             if check:  # before the output gradients exist: the re-runs need their memory
                 independence.run(_CheckView(self), active, b)
             else:  # rows that the data decide: the rows check on every chunk
@@ -613,6 +651,7 @@ class ClippingEngine:
             # sum is formed from the float32 records, as book-keeping forms it.
             self._sum_from_records = (
                 self.mode == "book_keeping"
+                or self._sharding is not None
                 or any(c.low_precision for _, c in calls)
                 or any(p.dtype in LOW_PRECISION for p in self.parameters())
             )
@@ -713,7 +752,7 @@ class ClippingEngine:
             return
         names = list(self._groups)
         grads = torch.autograd.grad(
-            losses.sum(), [self.parameter(n) for n in names], allow_unused=True
+            losses.sum(), [self.graph_parameter(n) for n in names], allow_unused=True
         )
         for name, grad in zip(names, grads, strict=True):
             if grad is not None:
@@ -736,8 +775,9 @@ class ClippingEngine:
         else:
             total = torch.stack(list(norms_sq.values())).sum(0).sqrt()
             factors = self.clip_factors(total, loss_scale)
-        for name, grad in held.items():
-            self._store.add(self.parameter(name), grad * self._factor_for(name, factors))
+        self._add_sums(
+            (name, grad * self._factor_for(name, factors)) for name, grad in held.items()
+        )
         self._mark_grads()
         return ClipStats(total.detach() / loss_scale, factors.detach(), self.max_grad_norm)
 
@@ -751,7 +791,7 @@ class ClippingEngine:
         modules' recorded calls. Calls outside the graph (an evaluation forward with
         gradients enabled, a forward whose losses were not passed) are ignored.
         """
-        ids = {name: id(self.parameter(name)) for name in self._groups}
+        ids = {name: id(self.graph_parameter(name)) for name in self._groups}
         # (the other leaves are kept for the backward, which requests them: streaming.py)
         uses_of, reentrant, seen, self._leaves = parameter_uses([losses.grad_fn], set(ids.values()))
         if reentrant:
@@ -808,6 +848,14 @@ class ClippingEngine:
             for name in self._groups
             if (p := self.parameter(name)).grad is not None and not self._store.wrote(p)
         ]
+        if self._sharding is not None:  # FSDP's gradient sync is off: a plain backward
+            # leaves its unclipped gradient in the unsharded parameters
+            touched += [
+                name
+                for name in self._groups
+                if (g := self.graph_parameter(name)) is not self.parameter(name)
+                and g.grad is not None
+            ]
         if touched:
             raise UnclippedGradientError(
                 f"p.grad of {', '.join(touched)} holds a gradient the clipping engine did not "
@@ -877,7 +925,19 @@ class ClippingEngine:
     def _book_keeping(self, records, factors: Tensor) -> None:
         """sum_i c_i grad_i from the stored (a, g), added into ``p.grad`` one parameter at a
         time, each module's record freed once its parameters are done."""
-        sums = self._norms_sums.drain(records, lambda name: self._factor_for(name, factors))
+        self._add_sums(
+            self._norms_sums.drain(records, lambda name: self._factor_for(name, factors))
+        )
+
+    def _add_sums(self, sums: Iterable[tuple[str, Tensor]]) -> None:
+        """Add each (parameter name, clipped sum) to its ``p.grad``, in the groups' order.
+
+        A sharded model's store reduces every sum over the ranks (a collective): every
+        rank then adds every clipped parameter in that order, None where its records
+        reached none (a rank whose batch skipped an expert, for instance).
+        """
+        if self._sharding is not None:
+            sums = _every_name(sums, list(self._groups))
         for name, grad in sums:
             self._store.add(self.parameter(name), grad)
             del grad
@@ -919,8 +979,8 @@ class _CheckView:
             n for n, owners in self._engine._groups.items() if any(id(u) in mine for u, _ in owners)
         ]
 
-    def parameter(self, name: str) -> nn.Parameter:
-        return self._engine.parameter(name)
+    def parameter(self, name: str) -> Tensor:
+        return self._engine.graph_parameter(name)
 
     def owners(self, name: str) -> list[Use]:
         return [u for u, _ in self._engine._groups[name]]
@@ -930,6 +990,23 @@ class _CheckView:
 
     def probe(self, args: tuple, kwargs: dict) -> dict:
         return self._engine._probe_inputs(args, kwargs)
+
+
+def _every_name(
+    sums: Iterable[tuple[str, Tensor]], names: list[str]
+) -> Iterator[tuple[str, Tensor | None]]:
+    """(name, sum) for every name in ``names``' order; None for a name ``sums`` (a
+    subsequence in that order) skips."""
+    pending = iter(sums)
+    nxt = next(pending, None)
+    for name in names:
+        if nxt is not None and nxt[0] == name:
+            yield nxt
+            nxt = next(pending, None)
+        else:
+            yield name, None
+    if nxt is not None:
+        raise RuntimeError(f"clipped sum of {nxt[0]!r} out of the parameters' order")
 
 
 def _per_unit(per_example: dict[Use, dict[str, Tensor]], index: UnitIndex) -> dict:

@@ -15,12 +15,27 @@ optimizer noises the float32 sum and casts after (:meth:`GradStore.clipped_sum`)
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 
 from dptrain.clipping.precision import LOW_PRECISION  # parameters whose sums stay float32
 
-__all__ = ["LOW_PRECISION", "GradStore"]
+__all__ = ["LOW_PRECISION", "GradStore", "ParameterSharding"]
+
+
+class ParameterSharding(Protocol):
+    """A model whose parameters are sharded across ranks (FSDP2), as the engine sees it:
+    the parameter the optimizer holds is a shard; autograd's graph holds another tensor
+    (:class:`dptrain.distributed.fsdp.FSDPSharding`). Its store (a subclass of
+    :class:`GradStore`) reduces each clipped sum over the ranks into the shard."""
+
+    def graph_parameter(self, p: Tensor) -> Tensor:
+        """The tensor autograd's graph holds for parameter ``p`` (``p`` if unsharded)."""
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (a collective: every rank calls it)."""
 
 
 class GradStore:

@@ -393,7 +393,9 @@ class RMSNormRule(LayerRule):
         return a.reshape(a.shape[0], -1, module.weight.shape[0])
 
     def _normalised(self, module: nn.Module, a: Tensor) -> Tensor:
-        neutral = torch.full_like(module.weight, 1.0 - self.offset, dtype=a.dtype)
+        # from the shape: under FSDP2 module.weight may be a shard (DTensor) by now
+        shape = module.weight.shape
+        neutral = torch.full(shape, 1.0 - self.offset, dtype=a.dtype, device=a.device)
         with torch.no_grad():  # no_grad also keeps the clipping engine's hooks silent
             out = torch.func.functional_call(module, {"weight": neutral}, (a,))
         return out.to(a.dtype)

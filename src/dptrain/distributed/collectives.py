@@ -127,12 +127,16 @@ def _flat_collective(
                 offset += n
 
 
-def _broadcast_module_state(model: nn.Module, group: Any, cap_bytes: int) -> None:
-    """Give every rank rank 0's parameters and buffers (as DDP does at construction)."""
+def _broadcast_module_state(
+    model: nn.Module, group: Any, cap_bytes: int, parameters: bool = True
+) -> None:
+    """Give every rank rank 0's parameters (unless ``parameters=False``: a sharded model's
+    ranks each hold their own shard) and buffers (as DDP does at construction)."""
     _, world = _rank_and_world(group)
     if world == 1:
         return
-    tensors = [p.data for p in model.parameters()] + [b for b in model.buffers()]
+    tensors = [p.data for p in model.parameters()] if parameters else []
+    tensors += [b for b in model.buffers()]
     src = _src(group)
     _flat_collective(
         tensors, cap_bytes, lambda flat: dist.broadcast(flat, src=src, group=group, async_op=True)

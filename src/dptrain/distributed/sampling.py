@@ -77,6 +77,20 @@ class RankBatch(LogicalBatch):
     global_size: int
     rank: int
     world_size: int
+    padding: list[int] | None = None
+    """With equal chunks (a sharded model): per chunk, how many rows at its end are
+    padding (copies of a record whose losses :meth:`~dptrain.PrivateTraining.backward`
+    multiplies by 0, so their gradient is exactly zero); None otherwise."""
+
+
+def equal_chunk_sizes(global_size: int, world_size: int, max_physical_batch_size: int) -> list[int]:
+    """The chunk sizes every rank runs when all ranks must run the same passes (FSDP: each
+    forward gathers parameters from all ranks): the largest share, ceil(B / W), cut into
+    the fewest chunks of at most ``max_physical_batch_size``, sizes differing by at most 1.
+    A function of B, W and the chunk size alone, so every rank computes the same list."""
+    share = -(-global_size // world_size)
+    k = -(-share // max_physical_batch_size)
+    return [share // k + (j < share % k) for j in range(k)]
 
 
 class DistributedDPDataLoader:
@@ -113,6 +127,7 @@ class DistributedDPDataLoader:
         rank: int | None = None,
         world_size: int | None = None,
         group: Any = None,
+        equal_chunks: bool = False,
     ):
         if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(
@@ -126,7 +141,13 @@ class DistributedDPDataLoader:
             )
         base = DPDataLoader(dataset, sample_rate, steps, 1, collate_fn, seed=seed)
         self._init_from(
-            base, max_physical_batch_size, global_physical_batch_size, rank, world_size, group
+            base,
+            max_physical_batch_size,
+            global_physical_batch_size,
+            rank,
+            world_size,
+            group,
+            equal_chunks,
         )
 
     @classmethod
@@ -139,6 +160,7 @@ class DistributedDPDataLoader:
         rank: int | None = None,
         world_size: int | None = None,
         group: Any = None,
+        equal_chunks: bool = False,
     ) -> DistributedDPDataLoader:
         """Shard an existing :class:`~dptrain.data.DPDataLoader` (its sampler is shared, not copied).
 
@@ -146,7 +168,13 @@ class DistributedDPDataLoader:
         """
         self = cls.__new__(cls)
         self._init_from(
-            loader, max_physical_batch_size, global_physical_batch_size, rank, world_size, group
+            loader,
+            max_physical_batch_size,
+            global_physical_batch_size,
+            rank,
+            world_size,
+            group,
+            equal_chunks,
         )
         return self
 
@@ -158,6 +186,7 @@ class DistributedDPDataLoader:
         rank: int | None,
         world_size: int | None,
         group: Any,
+        equal_chunks: bool = False,
     ) -> None:
         if (rank is None) != (world_size is None):
             raise ValueError(
@@ -184,6 +213,12 @@ class DistributedDPDataLoader:
         self.sampler: PoissonBatchSampler = loader.sampler
         # user-level DP: the sampler draws units (users), each rank takes whole units
         self.unit_members = getattr(loader, "unit_members", None)
+        if equal_chunks and self.unit_members is not None:
+            raise ValueError(
+                "equal_chunks=True with user-level units: not supported (a sharded model "
+                "needs every rank to run equal chunks; users are packed whole per rank)"
+            )
+        self.equal_chunks = equal_chunks
         self.chunk_key = getattr(loader, "chunk_key", None)
 
     @property
@@ -204,6 +239,9 @@ class DistributedDPDataLoader:
                 self.unit_members,
             )
             q = self.sampler.sample_rate_at(step)
+            if self.equal_chunks:
+                yield self._equal_chunks(indices, mine, q, step)
+                continue
             if self.unit_members is None:
                 chunks = [
                     self.collate_fn([self.dataset[i] for i in chunk])
@@ -233,6 +271,28 @@ class DistributedDPDataLoader:
                 units=[units for _, units in packed],
                 num_units=len(mine),
             )
+
+    def _equal_chunks(self, indices, mine: list[int], q: float, step: int) -> RankBatch:
+        """This rank's share in :func:`equal_chunk_sizes` chunks, the last rows of a short
+        share padded with copies of the batch's first record (masked in the backward)."""
+        sizes = equal_chunk_sizes(len(indices), self.world_size, self.max_physical_batch_size)
+        chunks, padding, at = [], [], 0
+        for size in sizes:
+            rows = list(mine[at : at + size])
+            at += len(rows)
+            padding.append(size - len(rows))
+            rows += [indices[0]] * (size - len(rows))
+            chunks.append(self.collate_fn([self.dataset[i] for i in rows]))
+        return RankBatch(
+            chunks=chunks,
+            size=len(mine),
+            sample_rate=q,
+            step=step,
+            global_size=len(indices),
+            rank=self.rank,
+            world_size=self.world_size,
+            padding=padding,
+        )
 
     def __len__(self) -> int:
         return len(self.sampler)

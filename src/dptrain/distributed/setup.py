@@ -22,8 +22,12 @@ from dptrain.accounting import PrivacyLedger
 from dptrain.distributed.collectives import _broadcast_module_state, _raise_on_every_rank
 from dptrain.distributed.context import DistributedConfigError, _rank_and_world
 from dptrain.distributed.fingerprint import _config_fingerprint
+from dptrain.distributed.fsdp import FSDPSharding, is_fsdp2, refuse_fsdp1, wrapping
 from dptrain.distributed.optimizer import DistributedDPOptimizer
 from dptrain.distributed.sampling import DistributedDPDataLoader, _per_rank_chunk
+from dptrain.distributed.sharded_optimizer import ShardedDPOptimizer
+from dptrain.distributed.sharded_sums import ShardedGradStore
+from dptrain.optim import DPOptimizer
 from dptrain.privacy_engine import PrivateTraining, _PrivateLoader, make_private
 
 __all__ = ["make_private_distributed"]
@@ -91,6 +95,8 @@ def make_private_distributed(
     """
     rank, world = _rank_and_world(group)
     what = "make_private_distributed"
+    refuse_fsdp1(model)
+    sharded = is_fsdp2(model)
     settings = {
         "batch_size": batch_size,
         "max_grad_norm": max_grad_norm,
@@ -117,6 +123,12 @@ def make_private_distributed(
     fingerprint: dict[str, str] = {}
     chunk: int | None = None
     try:
+        if sharded and user_ids is not None:
+            raise ValueError(
+                "user_ids= with an FSDP2-sharded model: user-level DP under FSDP is not "
+                "supported yet (every rank must run the same chunks; users are packed whole "
+                "per rank); train with DDP (an unsharded model) or drop user_ids"
+            )
         chunk = _per_rank_chunk(max_physical_batch_size, global_physical_batch_size, world)
         fingerprint = _config_fingerprint(model, optimizer, data, settings)
     except Exception as exc:
@@ -139,46 +151,68 @@ def make_private_distributed(
     result: PrivateTraining | None = None
     resolved: dict[str, str] = {}
     try:
-        private = make_private(
-            model,
-            optimizer,
-            data,
-            batch_size=batch_size,
-            max_grad_norm=max_grad_norm,
-            epochs=epochs,
-            steps=steps,
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            noise_multiplier=noise_multiplier,
-            clipping=clipping,
-            mode=mode,
-            norm_method=norm_method,
-            accountant=accountant,
-            max_physical_batch_size=chunk,
-            collate_fn=collate_fn,
-            chunk_key=chunk_key,
-            seed=shared_seed,
-            privacy_unit=privacy_unit,
-            user_ids=user_ids,
-            ledger=local_ledger,
-        )
+        with wrapping():  # make_private would hand a sharded model back to this function
+            private = make_private(
+                model,
+                optimizer,
+                data,
+                batch_size=batch_size,
+                max_grad_norm=max_grad_norm,
+                epochs=epochs,
+                steps=steps,
+                target_epsilon=target_epsilon,
+                target_delta=target_delta,
+                noise_multiplier=noise_multiplier,
+                clipping=clipping,
+                mode=mode,
+                norm_method=norm_method,
+                accountant=accountant,
+                max_physical_batch_size=chunk,
+                collate_fn=collate_fn,
+                chunk_key=chunk_key,
+                seed=shared_seed,
+                privacy_unit=privacy_unit,
+                user_ids=user_ids,
+                ledger=local_ledger,
+            )
         base_opt = private.optimizer
         loader = DistributedDPDataLoader.from_loader(
-            private.data_loader.loader, max_physical_batch_size=chunk, group=group
-        )
-        dp_optimizer = DistributedDPOptimizer(
-            base_opt.original_optimizer,
-            noise_multiplier=base_opt.noise_multiplier,
-            max_grad_norm=base_opt.max_grad_norm,
-            expected_batch_size=base_opt.expected_batch_size,
-            sample_rate=base_opt.sample_rate,
-            ledger=local_ledger,
-            seed=shared_seed,
-            max_steps=base_opt.max_steps,
+            private.data_loader.loader,
+            max_physical_batch_size=chunk,
             group=group,
-            bucket_cap_mb=bucket_cap_mb,
-            engine=private.engine,
+            equal_chunks=sharded,
         )
+        dp_optimizer: DPOptimizer
+        if sharded:
+            engine = private.engine
+            engine.shard(FSDPSharding(model, engine.module_rules), ShardedGradStore())
+            dp_optimizer = ShardedDPOptimizer(
+                base_opt.original_optimizer,
+                noise_multiplier=base_opt.noise_multiplier,
+                max_grad_norm=base_opt.max_grad_norm,
+                expected_batch_size=base_opt.expected_batch_size,
+                sample_rate=base_opt.sample_rate,
+                names={id(engine.parameter(n)): n for n in engine.parameter_names},
+                ledger=local_ledger,
+                seed=shared_seed,
+                max_steps=base_opt.max_steps,
+                group=group,
+                engine=engine,
+            )
+        else:
+            dp_optimizer = DistributedDPOptimizer(
+                base_opt.original_optimizer,
+                noise_multiplier=base_opt.noise_multiplier,
+                max_grad_norm=base_opt.max_grad_norm,
+                expected_batch_size=base_opt.expected_batch_size,
+                sample_rate=base_opt.sample_rate,
+                ledger=local_ledger,
+                seed=shared_seed,
+                max_steps=base_opt.max_steps,
+                group=group,
+                bucket_cap_mb=bucket_cap_mb,
+                engine=private.engine,
+            )
         result = PrivateTraining(
             model=model,
             optimizer=dp_optimizer,
@@ -209,8 +243,9 @@ def make_private_distributed(
             private.engine.detach()
         raise
     assert result is not None
-    # 3. Start from rank 0's parameters.
-    _broadcast_module_state(model, group, dp_optimizer.bucket_cap_bytes)
+    # 3. Start from rank 0's parameters (a sharded model: its buffers; each rank holds
+    # its own shard of the parameters, cut by fully_shard from the same full model).
+    _broadcast_module_state(model, group, int(bucket_cap_mb * 2**20), parameters=not sharded)
     if rank == 0:
         log.info(
             "private training on %d process(es): sigma=%.4g, C=%g, q=%.4g, %d steps, "

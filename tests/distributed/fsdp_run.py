@@ -1,0 +1,176 @@
+"""The FSDP2 runs that tests/distributed/test_fsdp.py compares: W gloo processes, one spawn each.
+
+Every scenario builds the same tied Llama from a config (random init, seed 0) and
+the same token data on every rank, shards it per decoder layer and at the root
+(``fully_shard``, a 1-D CPU mesh), makes it private with
+:func:`~dptrain.distributed.make_private_distributed` and reports, from every
+rank, full (gathered) tensors that the tests compare with one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.distributed import make_private_distributed
+from dptrain.losses import per_example_cross_entropy
+from dptrain.privacy_engine import make_private
+
+VOCAB, SEQ, N_RECORDS = 48, 8, 40
+C, SEED = 0.05, 11
+
+
+def llama(lora: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A 2-layer tied Llama (hidden 16) from a config; LoRA r4 on q/v if ``lora``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).to(dtype)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    return model
+
+
+def data(outlier: int | None = None, scale: float = 1.0) -> torch.utils.data.TensorDataset:
+    """N_RECORDS token sequences and a loss weight per record (1; ``scale`` for ``outlier``)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (N_RECORDS, SEQ + 1), generator=g)
+    weight = torch.ones(N_RECORDS)
+    if outlier is not None:
+        weight[outlier] = scale
+    return torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:], weight)
+
+
+def shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in base.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return per_example_cross_entropy(model(input_ids=x).logits, y)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().clone()
+
+
+def private_run(
+    sharded: bool,
+    mode: str = "book_keeping",
+    clipping: str = "flat",
+    lora: bool = False,
+    sigma: float = 1e-12,
+    chunk: int = 3,
+    batch: int = 9,
+    steps: int = 1,
+    dtype: torch.dtype = torch.float32,
+    outlier: int | None = None,
+    scale: float = 1.0,
+    entry: str = "make_private_distributed",
+) -> dict:
+    """``steps`` private steps (SGD, lr 1); the clipped sums of the first step (before
+    noise), the initial and final parameters, full, by name."""
+    model = llama(lora, dtype)
+    if sharded:
+        model = shard(model)
+    initial = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    make = make_private if entry == "make_private" else make_private_distributed
+    private = make(
+        model,
+        opt,
+        data(outlier, scale),
+        batch_size=batch,
+        max_grad_norm=C,
+        steps=steps,
+        noise_multiplier=sigma,
+        mode=mode,
+        clipping=clipping,
+        max_physical_batch_size=chunk,
+        seed=SEED,
+    )
+    engine = private.engine
+    sums: dict[str, torch.Tensor] = {}
+    sizes = []
+    for t, batch_ in enumerate(private.data_loader):
+        private.optimizer.zero_grad()
+        sizes.append(batch_.global_size)
+        for x, y, w in batch_.chunks:
+            private.backward(loss_of(model, x, y) * w.to(dtype))
+        if t == 0:
+            sums = {
+                n: full(engine.parameter(n).grad)
+                for n in engine.parameter_names
+                if engine.parameter(n).grad is not None
+            }
+        private.optimizer.step()
+    params = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
+    return {
+        "sums": sums,
+        "initial": initial,
+        "params": params,
+        "sizes": sizes,
+        "divisor": private.optimizer.expected_batch_size,
+        "ledger": private.ledger.state_dict(),
+        "optimizer": type(private.optimizer).__name__,
+    }
+
+
+def refusal(kind: str) -> str:
+    """The error a badly sharded model or argument gets (its message), or ''."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = llama()
+    user_ids = None
+    if kind == "offload":
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    elif kind == "mixed_precision":
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    elif kind == "user_ids":
+        fully_shard(model, mesh=mesh)
+        user_ids = [i // 2 for i in range(N_RECORDS)]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    try:
+        make_private_distributed(
+            model,
+            opt,
+            data(),
+            batch_size=9,
+            max_grad_norm=C,
+            steps=1,
+            noise_multiplier=1.0,
+            seed=SEED,
+            user_ids=user_ids,
+        )
+    except Exception as exc:  # the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def scenarios(cases: list[dict], refusals: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
+    """Run each case (private_run's keywords) and each refusal in this process group."""
+    return [private_run(**case) for case in cases], {k: refusal(k) for k in refusals}

@@ -1,0 +1,177 @@
+"""FSDP2 under dptrain: per-rank memory and step time at 1, 2 and 4 gloo processes (CPU).
+
+    PYTHONPATH=src:. python benchmarks/bench_fsdp.py [--ranks 1 2 4] [--steps 4]
+
+A tied Llama from a config (hidden 512, 4 layers, vocab 8192: 16.8M parameters,
+float32), sharded per decoder layer and at the root on a 1-D CPU mesh, trained
+with AdamW: non-private FSDP2 (``loss.backward()``, FSDP's reduce-scatter) and
+dptrain's book-keeping clipping on the same mesh, in separate processes.
+
+Per rank it reports the bytes of parameters, gradients and optimizer state the
+rank holds (exact: the local shards' sizes; goal about 1/W of one process's),
+the rise of the process's peak resident memory over the steps (records and
+activations included: ``ru_maxrss``, so an upper bound of what the step held),
+and the median step time after one warm-up step (the first private step runs
+the engine's checks). Logical batch 16 (non-private: exactly 16; private:
+Poisson with q N = 16), 8 records per chunk per rank, T 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+HIDDEN, LAYERS, VOCAB, SEQ, N, BATCH, CHUNK = 512, 4, 8192, 128, 256, 16, 8
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=4 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _shard(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _state_bytes(opt) -> int:
+    return _local_bytes(
+        v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    )
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (N, SEQ + 1), generator=g)
+    return torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+def measure(private: bool, steps: int) -> dict:
+    from dptrain.distributed import make_private_distributed
+    from dptrain.losses import per_example_cross_entropy
+
+    model = _shard(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = _data()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    times = []
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if private:
+        run = make_private_distributed(
+            model,
+            opt,
+            data,
+            batch_size=BATCH,
+            max_grad_norm=1.0,
+            steps=steps + 1,
+            noise_multiplier=1.0,
+            max_physical_batch_size=CHUNK,
+            seed=0,
+        )
+        grads = 0
+        for batch in run.data_loader:
+            dist.barrier()
+            t = time.perf_counter()
+            run.optimizer.zero_grad()
+            for x, y in batch.chunks:
+                run.backward(per_example_cross_entropy(model(input_ids=x).logits, y))
+            grads = _local_bytes(p.grad for p in model.parameters())
+            run.optimizer.step()
+            dist.barrier()
+            times.append(time.perf_counter() - t)
+        dp_opt = run.optimizer.original_optimizer
+    else:
+        g = torch.Generator().manual_seed(2)
+        grads = 0
+        for _ in range(steps + 1):
+            idx = torch.randperm(N, generator=g)[:BATCH][rank::world]
+            dist.barrier()
+            t = time.perf_counter()
+            opt.zero_grad()
+            for part in idx.split(CHUNK):
+                x, y = data[part]
+                loss = per_example_cross_entropy(model(input_ids=x).logits, y).sum() / BATCH
+                loss.backward()
+            grads = _local_bytes(p.grad for p in model.parameters())
+            opt.step()
+            dist.barrier()
+            times.append(time.perf_counter() - t)
+        dp_opt = opt
+    return {
+        "params": _local_bytes(model.parameters()),
+        "grads": grads,
+        "optimizer": _state_bytes(dp_opt),
+        "rss_rise": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024,
+        "step_s": statistics.median(times[1:]),
+        "first_step_s": times[0],
+    }
+
+
+def main() -> None:
+    from dptrain.distributed import spawn
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--steps", type=int, default=4)
+    args = ap.parse_args()
+    mb = 2**20
+    rows = []
+    for w in args.ranks:
+        for private in (False, True):
+            out = spawn(measure, w, (private, args.steps), timeout=600, join_timeout=3600)
+            r = max(out, key=lambda o: o["params"])  # the rank holding most
+            rows.append((w, private, r, statistics.median(o["step_s"] for o in out)))
+    print(
+        "| ranks | run | params / rank | grads / rank | Adam state / rank | peak RSS rise / rank "
+        "| step (s) | first step (s) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for w, private, r, step in rows:
+        print(
+            f"| {w} | {'dptrain' if private else 'non-private'} | {r['params'] / mb:.1f} MiB "
+            f"| {r['grads'] / mb:.1f} MiB | {r['optimizer'] / mb:.1f} MiB "
+            f"| {r['rss_rise'] / mb:.0f} MiB | {step:.2f} | {r['first_step_s']:.2f} |"
+        )
+    base = {w: step for w, private, _, step in rows if not private}
+    for w, private, _, step in rows:
+        if private:
+            print(f"ranks {w}: dptrain step / non-private FSDP2 step = {step / base[w]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -150,6 +150,11 @@ def refusal(kind: str) -> str:
         fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     elif kind == "mixed_precision":
         fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    elif kind == "unsharded_root":  # the layers sharded, the root (embeddings, head) not
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+    elif kind == "outside_use":
+        return _outside_use(mesh)
     elif kind == "user_ids":
         fully_shard(model, mesh=mesh)
         user_ids = [i // 2 for i in range(N_RECORDS)]
@@ -167,6 +172,48 @@ def refusal(kind: str) -> str:
             user_ids=user_ids,
         )
     except Exception as exc:  # the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+class _HeadOutside(nn.Module):
+    """An embedding and a head whose weight is also used outside the head's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        # an extra use of head.weight outside head's call: its gradient escapes clipping
+        return self.head(h) + torch.nn.functional.linear(h, self.head.weight)
+
+
+def _outside_use(mesh) -> str:
+    """Under FSDP2 too, a parameter used outside its module's recorded call is refused
+    (the graph walk must look for the unsharded parameter autograd holds)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _HeadOutside()
+    fully_shard(model, mesh=mesh)
+    private = make_private_distributed(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        data(),
+        batch_size=9,
+        max_grad_norm=C,
+        steps=1,
+        noise_multiplier=1.0,
+        seed=SEED,
+        max_physical_batch_size=3,
+    )
+    try:
+        for batch in private.data_loader:
+            for x, y, _ in batch.chunks:
+                private.backward(per_example_cross_entropy(model(x), y))
+    except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return ""
 

@@ -31,7 +31,7 @@ CASES = {
     "removed": dict(batch=N_RECORDS, chunk=7, outlier=OUTLIER, scale=0.0),
     "make_private": dict(entry="make_private"),
 }
-REFUSALS = ("offload", "mixed_precision", "user_ids")
+REFUSALS = ("offload", "mixed_precision", "user_ids", "unsharded_root", "outside_use")
 
 
 def _run(world: int, names: tuple[str, ...], refusals: tuple[str, ...] = ()) -> dict:
@@ -148,6 +148,8 @@ def test_noise_keys_differ_by_step_and_parameter():
         ("offload", ["CPUOffloadPolicy", "offload"]),
         ("mixed_precision", ["MixedPrecisionPolicy", "param_dtype"]),
         ("user_ids", ["user_ids=", "FSDP2"]),
+        ("unsharded_root", ["not sharded by FSDP2", "model.embed_tokens.weight", "fully_shard"]),
+        ("outside_use", ["head.weight", "outside the forward of the module"]),
     ],
 )
 def test_unsupported_sharding_is_refused_by_name(two, kind, words):

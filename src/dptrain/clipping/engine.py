@@ -178,6 +178,9 @@ class ClippingEngine:
                 "sum_i c_i L_i can apply only one factor per example"
             )
         self.model = model
+        # A model sharded across ranks (FSDP2): where autograd's parameters are (shard()).
+        self._sharding: ParameterSharding | None = None
+        self._shards: dict[str, nn.Parameter] = {}
         self.clipping = clipping
         self.mode = mode
         # Whether this backward forms the clipped sum from the records (book-keeping, and
@@ -213,8 +216,7 @@ class ClippingEngine:
         self._probe_pool: independence.SummaryPool | None = None
         # What is known about which rows are whose, and what each chunk must establish.
         self._rows = RowDecisions()
-        # A model sharded across ranks (FSDP2): where autograd's parameters are (shard()).
-        self._sharding: ParameterSharding | None = None
+
         self.self_checks = 0
         """How many chunks were checked exactly so far (new layout patterns)."""
         self.streamed: tuple[str, ...] = ()
@@ -383,6 +385,9 @@ class ClippingEngine:
         """
         if self._open_unit is not None or self._uses_with_calls():
             raise RuntimeError("shard() must be called before the first forward pass")
+        # The shards, as registered now: while a module runs (or stays unsharded after
+        # its backward) FSDP registers the unsharded parameter in their place.
+        self._shards = {name: self.parameter(name) for name in self._groups}
         self._sharding = sharding
         self._store = store
 
@@ -954,7 +959,10 @@ class ClippingEngine:
         return self._store.clipped_sum(p)
 
     def parameter(self, name: str) -> nn.Parameter:
-        """The clipped parameter called ``name`` (see :attr:`parameter_names`)."""
+        """The clipped parameter called ``name`` (see :attr:`parameter_names`): under
+        FSDP2 the shard the optimizer holds (:meth:`graph_parameter`: autograd's)."""
+        if self._sharding is not None:
+            return self._shards[name]
         module, attr = self._groups[name][0]
         return _param(module.module, attr)
 

@@ -158,6 +158,18 @@ class FSDPSharding:
             if hasattr(m, "set_requires_gradient_sync") and hasattr(m, "_get_fsdp_state"):
                 m.set_requires_gradient_sync(False, recurse=False)
 
+    def refuse_unsharded(self, params: dict[str, Tensor]) -> None:
+        """Refuse clipped parameters FSDP2 does not manage (a module left out of
+        ``fully_shard``): each rank would hold and step its own copy."""
+        plain = [name for name, p in params.items() if not self.manages(p)]
+        if plain:
+            raise UnsupportedModelError(
+                f"parameters not sharded by FSDP2: {', '.join(plain[:5])}"
+                f"{f' and {len(plain) - 5} more' if len(plain) > 5 else ''}. Call "
+                "fully_shard on the root module too (after the decoder layers), so that "
+                "every trainable parameter is sharded"
+            )
+
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank of the shards' mesh (one tiny all-reduce)."""
         if not self._by_sharded:

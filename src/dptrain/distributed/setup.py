@@ -185,7 +185,9 @@ def make_private_distributed(
         dp_optimizer: DPOptimizer
         if sharded:
             engine = private.engine
-            engine.shard(FSDPSharding(model, engine.module_rules), ShardedGradStore())
+            sharding = FSDPSharding(model, engine.module_rules)
+            sharding.refuse_unsharded({n: engine.parameter(n) for n in engine.parameter_names})
+            engine.shard(sharding, ShardedGradStore())
             dp_optimizer = ShardedDPOptimizer(
                 base_opt.original_optimizer,
                 noise_multiplier=base_opt.noise_multiplier,

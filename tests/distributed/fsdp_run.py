@@ -54,11 +54,11 @@ def data(outlier: int | None = None, scale: float = 1.0) -> torch.utils.data.Ten
     return torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:], weight)
 
 
-def shard(model: nn.Module) -> nn.Module:
+def shard(model: nn.Module, device: str = "cpu") -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in base.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -89,12 +89,14 @@ def private_run(
     outlier: int | None = None,
     scale: float = 1.0,
     entry: str = "make_private_distributed",
+    autocast: bool = False,
+    device: str = "cpu",
 ) -> dict:
     """``steps`` private steps (SGD, lr 1); the clipped sums of the first step (before
     noise), the initial and final parameters, full, by name."""
-    model = llama(lora, dtype)
+    model = llama(lora, dtype).to(device)
     if sharded:
-        model = shard(model)
+        model = shard(model, device)
     initial = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     make = make_private if entry == "make_private" else make_private_distributed
@@ -118,7 +120,10 @@ def private_run(
         private.optimizer.zero_grad()
         sizes.append(batch_.global_size)
         for x, y, w in batch_.chunks:
-            private.backward(loss_of(model, x, y) * w.to(dtype))
+            x, y, w = x.to(device), y.to(device), w.to(device)
+            with torch.autocast(device, torch.bfloat16, enabled=autocast):
+                losses = loss_of(model, x, y)
+            private.backward(losses.float() * w.to(losses.dtype))
         if t == 0:
             sums = {
                 n: full(engine.parameter(n).grad)

@@ -30,6 +30,7 @@ CASES = {
     "outlier": dict(batch=N_RECORDS, chunk=7, outlier=OUTLIER, scale=1e6),
     "removed": dict(batch=N_RECORDS, chunk=7, outlier=OUTLIER, scale=0.0),
     "make_private": dict(entry="make_private"),
+    "autocast": dict(autocast=True),
 }
 REFUSALS = ("offload", "mixed_precision", "user_ids", "unsharded_root", "outside_use")
 
@@ -91,6 +92,12 @@ def test_bf16_parameters_get_float32_sums_close_to_one_process(two, reference):
     for rank in two["ranks"]:
         # bf16 records in chunks of different examples round differently; float32 sums
         _assert_close(rank["bf16"]["sums"], ref["sums"], 2e-2)
+
+
+def test_bf16_autocast_close_to_one_process(two, reference):
+    ref = reference("autocast")
+    for rank in two["ranks"]:
+        _assert_close(rank["autocast"]["sums"], ref["sums"], 2e-2)
 
 
 def test_make_private_on_a_sharded_model_shards_too(two, reference):
@@ -185,6 +192,16 @@ def test_fsdp1_is_refused_with_a_pointer_to_fsdp2():
             steps=1,
             noise_multiplier=1.0,
         )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fsdp2_one_process_smoke():
+    """One FSDP2 process on a GPU (nccl): a step runs, and one record moves the sum <= C."""
+    cases = [dict(CASES[n], sharded=True, device="cuda") for n in ("outlier", "removed")]
+    (runs, _), *_ = spawn(fsdp_run.scenarios, 1, (cases,), backend="nccl", timeout=120)
+    a, b = runs[0]["sums"], runs[1]["sums"]
+    moved = math.sqrt(sum(float((a[n] - b[n]).pow(2).sum()) for n in a))
+    assert 0.99 * C <= moved <= C * (1 + 1e-5), moved
 
 
 @pytest.mark.slow

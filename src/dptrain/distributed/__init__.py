@@ -93,7 +93,12 @@ Layout
 - :mod:`~dptrain.distributed.optimizer`: :class:`DistributedDPOptimizer`;
 - :mod:`~dptrain.distributed.fingerprint`: what the ranks must agree on;
 - :mod:`~dptrain.distributed.setup`: :func:`make_private_distributed`;
-- :mod:`~dptrain.distributed.launcher`: :func:`spawn`, :class:`DistributedRunError`.
+- :mod:`~dptrain.distributed.launcher`: :func:`spawn`, :class:`DistributedRunError`;
+- a model sharded with FSDP2 (``fully_shard``; ``docs/distributed.md``, "Sharded
+  models"): :mod:`~dptrain.distributed.fsdp` (how the engine sees it),
+  :mod:`~dptrain.distributed.sharded_sums` (clipped sums reduce-scattered into the
+  shards), :mod:`~dptrain.distributed.sharded_optimizer` (:class:`ShardedDPOptimizer`:
+  keyed noise on each rank's shards).
 
 Checkpoints (:func:`save_checkpoint`, :func:`load_checkpoint`,
 :class:`CheckpointError`) live in :mod:`dptrain.checkpoint`, as they serve
@@ -115,6 +120,7 @@ from dptrain.distributed.launcher import DistributedRunError, spawn
 from dptrain.distributed.optimizer import DistributedDPOptimizer
 from dptrain.distributed.sampling import DistributedDPDataLoader, RankBatch, shard_indices
 from dptrain.distributed.setup import make_private_distributed
+from dptrain.distributed.sharded_optimizer import ShardedDPOptimizer
 
 __all__ = [
     "CheckpointError",
@@ -124,6 +130,7 @@ __all__ = [
     "DistributedDPOptimizer",
     "DistributedRunError",
     "RankBatch",
+    "ShardedDPOptimizer",
     "init_distributed",
     "load_checkpoint",
     "make_private_distributed",

@@ -24,7 +24,7 @@ from dptrain.data.poisson import (
 )
 from dptrain.distributed.context import _rank_and_world
 
-__all__ = ["DistributedDPDataLoader", "RankBatch", "shard_indices"]
+__all__ = ["DistributedDPDataLoader", "RankBatch", "equal_chunk_sizes", "shard_indices"]
 
 
 def shard_indices(indices: Sequence[int], rank: int, world_size: int) -> list[int]:

@@ -26,7 +26,7 @@ from dptrain.clipping.grad_store import LOW_PRECISION, GradStore
 __all__ = ["ShardedGradStore"]
 
 
-def sum_dtype(p: Tensor) -> torch.dtype:
+def _sum_dtype(p: Tensor) -> torch.dtype:
     """The dtype a parameter's clipped sum is reduced and noised in: at least float32."""
     return torch.float32 if p.dtype in LOW_PRECISION else p.dtype
 
@@ -36,7 +36,7 @@ class ShardedGradStore(GradStore):
 
     def __init__(self) -> None:
         super().__init__()
-        # p's reduced shard in sum_dtype(p), by parameter id, with the p.grad written beside it
+        # p's reduced shard in _sum_dtype(p), by parameter id, with the p.grad written beside it
         self._shards: dict[int, tuple[DTensor, DTensor]] = {}
 
     def add(self, p: nn.Parameter, grad: Tensor | None) -> None:
@@ -49,7 +49,7 @@ class ShardedGradStore(GradStore):
                 "FSDP2): shard every module that holds trainable parameters, e.g. "
                 "fully_shard(model) after the decoder layers"
             )
-        dtype = sum_dtype(p)
+        dtype = _sum_dtype(p)
         local = p.to_local()
         if grad is None:
             full = torch.zeros(p.shape, dtype=dtype, device=local.device)

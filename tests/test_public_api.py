@@ -61,6 +61,8 @@ MODULES = [
     "dptrain.distributed.optimizer",
     "dptrain.distributed.sampling",
     "dptrain.distributed.setup",
+    "dptrain.distributed.sharded_checkpoint",
+    "dptrain.distributed.consolidate",
     "dptrain.dpfp",
     "dptrain.generators",
     "dptrain.supported",

@@ -229,7 +229,9 @@ def _save_sharded(
     }
     try:
         save_sharded(path, private.model, opt.original_optimizer, state, group=group)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # a path that is not a sharded checkpoint: refused by name
+        raise CheckpointError(str(exc)) from exc
+    except OSError as exc:
         raise CheckpointError(
             f"could not write sharded checkpoint path={str(path)!r}: {exc}"
         ) from exc

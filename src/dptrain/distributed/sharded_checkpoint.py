@@ -188,6 +188,8 @@ def save_sharded(
         try:
             tmp, final = _prepare(path, int(state["step"]))
             plan = (None, str(tmp), str(final))
+        except ValueError as exc:  # a path dptrain refuses: the message says why
+            plan = (str(exc), None, None)
         except Exception as exc:
             plan = (_describe(exc), None, None)
     error, tmp_name, final_name = _broadcast_object(plan, group)

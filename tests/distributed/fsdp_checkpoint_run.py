@@ -122,3 +122,13 @@ def second_spawn(out: str) -> dict:
     _, other = build(noise_multiplier=2 * SIGMA)
     refusal = _refusal(lambda: load_checkpoint(out_dir / "stopped", other))
     return {"resumed": resumed, "resumed_at": resumed_at, "extra": extra, "refusal": refusal}
+
+
+def other_world_spawn(out: str) -> dict:
+    """Another world size resumes the 2-rank stopped run: its full parameters right after
+    loading (DCP resharded them), and the ledger once it has trained to STEPS."""
+    model, private = build()
+    load_checkpoint(Path(out) / "stopped", private)
+    loaded = result(model, private)
+    train(model, private)
+    return {"loaded": loaded, "final": result(model, private)}

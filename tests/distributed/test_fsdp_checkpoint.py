@@ -172,3 +172,17 @@ def test_consolidation_refuses_to_overwrite_and_names_the_argument(runs, tmp_pat
         err = capsys.readouterr().err
         assert err.startswith("dptrain consolidate: error: ") and words in err, err
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 4])
+def test_another_world_size_resumes_the_sharded_checkpoint(runs, world):
+    """DCP reshards: the loaded parameters are the stopped run's exactly; the run continues
+    its ledger (sampling and keyed noise do not depend on W; dropout's streams do, so the
+    final parameters are not compared)."""
+    out, first, _ = runs
+    ranks = spawn(run.other_world_spawn, world, (str(out),), timeout=120, join_timeout=900)
+    for rank in ranks:
+        _assert_equal(rank["loaded"]["params"], first[0]["stopped"]["params"])
+        assert rank["loaded"]["steps"] == run.STOP_AFTER
+        assert rank["final"]["ledger"] == first[0]["plain"]["ledger"]

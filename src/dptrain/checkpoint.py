@@ -39,8 +39,9 @@ import torch
 from torch import Tensor
 
 from dptrain.data.poisson import PoissonBatchSampler
+from dptrain.distributed import sharded_checkpoint
 from dptrain.distributed.collectives import _broadcast_object, _describe, _raise_on_every_rank
-from dptrain.distributed.consolidate import consolidate_checkpoint
+from dptrain.distributed.consolidate import consolidate_checkpoint, describe_model
 from dptrain.distributed.context import DistributedConfigError, _rank_and_world
 from dptrain.distributed.fingerprint import _short
 from dptrain.distributed.sharded_optimizer import ShardedDPOptimizer
@@ -137,9 +138,9 @@ def save_checkpoint(
     rank sees; a file or a non-empty directory that is not a sharded checkpoint is
     refused (:class:`CheckpointError`), never written into.
 
-    The ranks first compare digests of their model, optimizer state, ledger and
-    sampler: if they differ, no file is written and :class:`CheckpointError`
-    is raised on every rank.
+    The ranks first compare digests of their model, optimizer state (not under
+    sharding: each rank holds other shards), ledger, steps, noise seed and sampler: if
+    they differ, nothing is written and :class:`CheckpointError` is raised on every rank.
     """
     rank, world = _rank_and_world(group)
     sharded = _is_sharded(private)
@@ -204,9 +205,6 @@ def _save_sharded(
     extra: dict[str, Any] | None,
     group: Any,
 ) -> None:
-    from dptrain.distributed.consolidate import describe_model
-    from dptrain.distributed.sharded_checkpoint import save_sharded
-
     opt = private.optimizer
     dp_state = opt.state_dict()
     del dp_state["optimizer"]  # the wrapped optimizer's shards go through DCP
@@ -228,7 +226,9 @@ def _save_sharded(
         "accountant": private.accountant,
     }
     try:
-        save_sharded(path, private.model, opt.original_optimizer, state, group=group)
+        sharded_checkpoint.save_sharded(
+            path, private.model, opt.original_optimizer, state, group=group
+        )
     except ValueError as exc:  # a path that is not a sharded checkpoint: refused by name
         raise CheckpointError(str(exc)) from exc
     except OSError as exc:
@@ -276,8 +276,6 @@ def load_checkpoint(
     resumes a sharded run only, and a one-file checkpoint an unsharded run only
     (:class:`CheckpointError` otherwise).
     """
-    from dptrain.distributed import sharded_checkpoint
-
     rank, _ = _rank_and_world(group)
     sharded = _is_sharded(private)
     # rank 0's view of the path decides (the other ranks may not see a one-file checkpoint)

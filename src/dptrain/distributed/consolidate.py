@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from dptrain.distributed.sharded_checkpoint import read_state
+from dptrain.privacy_record import PrivacyRecord
 
 __all__ = ["consolidate_checkpoint", "describe_model"]
 
@@ -93,24 +94,11 @@ def _rebuild(info: dict[str, Any]) -> nn.Module:
 
 
 def _privacy_record(
-    state: dict[str, Any],
-    model: nn.Module,
-    delta: float | None,
-    accountant: str | None,
-    source: Path,
-) -> Any:
+    state: dict[str, Any], model: nn.Module, delta: float, accountant: str, source: Path
+) -> PrivacyRecord:
     from dptrain.accounting import PrivacyLedger, make_accountant
     from dptrain.hf.report import NOT_COVERED, base_model_of
-    from dptrain.privacy_record import PrivacyRecord
 
-    delta = state.get("target_delta") if delta is None else delta
-    if delta is None:
-        raise ValueError(
-            "delta=None: the run was configured without a target_delta (a noise multiplier "
-            "given directly), so the checkpoint names none; give the delta its epsilon is "
-            "to be stated at (--delta 1e-5)"
-        )
-    accountant = accountant or state.get("accountant") or "pld"
     ledger = PrivacyLedger.from_state_dict(state["ledger"])
     epsilon = make_accountant(accountant, ledger).epsilon(delta) if ledger.num_steps else 0.0
     config = state["config"]
@@ -141,7 +129,6 @@ def _privacy_record(
             "num_records": config["dataset_size"],
             "world_size": state["world_size"],
             "sharding": "FSDP2",
-            "checkpoint": str(source),
         },
         base_model=base_model_of(model),
         ledger=ledger.state_dict(),
@@ -179,6 +166,14 @@ def consolidate_checkpoint(
             "torch.distributed.checkpoint.format_utils.dcp_to_torch_save(path/"
             f"{directory.name}, FILE) gives its full state dict"
         )
+    delta = state.get("target_delta") if delta is None else delta
+    if delta is None:
+        raise ValueError(
+            "delta=None: the run was configured without a target_delta (a noise multiplier "
+            "given directly), so the checkpoint names none; give the delta its epsilon is "
+            "to be stated at (--delta 1e-5)"
+        )
+    accountant = accountant or state.get("accountant") or "pld"
     model = _rebuild(info)
     full = {"model": model.state_dict()}
     # no process group: DCP reads every rank's shards into these full-shape tensors, which

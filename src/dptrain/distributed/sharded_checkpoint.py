@@ -183,18 +183,18 @@ def save_sharded(
     """
     path = Path(path)
     rank, world = _rank_and_world(group)
-    plan: tuple[str | None, str | None, str | None] = (None, None, None)
+    plan: tuple[str | None, bool, str | None, str | None] = (None, False, None, None)
     if rank == 0:
         try:
             tmp, final = _prepare(path, int(state["step"]))
-            plan = (None, str(tmp), str(final))
+            plan = (None, False, str(tmp), str(final))
         except ValueError as exc:  # a path dptrain refuses: the message says why
-            plan = (str(exc), None, None)
+            plan = (str(exc), True, None, None)
         except Exception as exc:
-            plan = (_describe(exc), None, None)
-    error, tmp_name, final_name = _broadcast_object(plan, group)
+            plan = (f"could not create a state in {path}: {_describe(exc)}", False, None, None)
+    error, refused, tmp_name, final_name = _broadcast_object(plan, group)
     if error is not None:
-        raise ValueError(error)
+        raise ValueError(error) if refused else OSError(error)
     tmp, final = Path(str(tmp_name)), Path(str(final_name))
     status: str | None = None
     try:

@@ -182,3 +182,22 @@ def test_save_in_the_middle_of_a_step_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="in the middle of a step"):
         save_checkpoint(tmp_path / "c.pt", private)
     assert not (tmp_path / "c.pt").exists()
+
+
+def test_a_sharded_checkpoint_does_not_resume_an_unsharded_run(tmp_path):
+    """The directory an FSDP2 run writes is refused by name, pointing to consolidation."""
+    from torch import nn
+
+    from dptrain.distributed.sharded_checkpoint import save_sharded
+
+    layer = nn.Linear(2, 2)
+    save_sharded(tmp_path / "sharded", layer, torch.optim.SGD(layer.parameters()), {"step": 0})
+    model, opt, data = build()
+    private = make_private(model, opt, data, max_physical_batch_size=4, **config("ghost"))
+    with pytest.raises(
+        CheckpointError,
+        match=r"sharded'? is a sharded \(FSDP2\) checkpoint directory, and this is an unsharded "
+        r"run: consolidate it \(dptrain consolidate\)",
+    ):
+        load_checkpoint(tmp_path / "sharded", private)
+    assert private.ledger.num_steps == 0

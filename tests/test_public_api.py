@@ -64,6 +64,8 @@ MODULES = [
     "dptrain.distributed.fsdp",
     "dptrain.distributed.sharded_optimizer",
     "dptrain.distributed.sharded_sums",
+    "dptrain.distributed.sharded_checkpoint",
+    "dptrain.distributed.consolidate",
     "dptrain.dpfp",
     "dptrain.generators",
     "dptrain.supported",

@@ -15,6 +15,15 @@ and what the caller adds (``extra``). With several processes rank 0 writes
 their states agree; with one process the same calls do the same without a
 process group. A resumed run draws the same remaining batches and noise and
 continues the ledger: a crash never resets the budget.
+
+A sharded run (an FSDP2 model, :class:`~dptrain.distributed.sharded_optimizer.ShardedDPOptimizer`)
+is saved as a directory instead (:mod:`dptrain.distributed.sharded_checkpoint`): the
+model and the wrapped optimizer through ``torch.distributed.checkpoint``, every rank
+writing its own shards, and the rest (ledger, sampler, steps, seed, every rank's RNG
+state, configuration, ``extra``) by rank 0. Same calls, same guarantees; the sharded
+noise is keyed by (seed, ledger step, parameter), so it has no generator state to save.
+:func:`~dptrain.distributed.consolidate.consolidate_checkpoint` (``dptrain consolidate``)
+turns such a directory into a plain Hugging Face folder with its ``privacy.json``.
 """
 
 from __future__ import annotations
@@ -30,12 +39,15 @@ import torch
 from torch import Tensor
 
 from dptrain.data.poisson import PoissonBatchSampler
+from dptrain.distributed import sharded_checkpoint
 from dptrain.distributed.collectives import _broadcast_object, _describe, _raise_on_every_rank
+from dptrain.distributed.consolidate import consolidate_checkpoint, describe_model
 from dptrain.distributed.context import DistributedConfigError, _rank_and_world
 from dptrain.distributed.fingerprint import _short
+from dptrain.distributed.sharded_optimizer import ShardedDPOptimizer
 from dptrain.privacy_engine import PrivateTraining
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "consolidate_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +101,11 @@ def _run_config(private: PrivateTraining) -> dict[str, Any]:
     }
 
 
+def _is_sharded(private: PrivateTraining) -> bool:
+    """Whether ``private`` trains an FSDP2-sharded model (each rank holds shards)."""
+    return isinstance(private.optimizer, ShardedDPOptimizer)
+
+
 def _rng_state() -> dict[str, Any]:
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -113,11 +130,20 @@ def save_checkpoint(
     Works for :func:`~dptrain.make_private` and
     :func:`~dptrain.distributed.make_private_distributed`.
 
-    The ranks first compare digests of their model, optimizer state, ledger and
-    sampler: if they differ, no file is written and :class:`CheckpointError`
-    is raised on every rank.
+    A sharded (FSDP2) run writes the directory ``path`` instead: each rank its shards of
+    the model and the wrapped optimizer (``torch.distributed.checkpoint``), rank 0 the
+    rest; a new state is written beside the current one and ``path/latest.json`` is
+    moved to it last (:mod:`dptrain.distributed.sharded_checkpoint`), so a run killed
+    while saving keeps its previous checkpoint. ``path`` must be on a file system every
+    rank sees; a file or a non-empty directory that is not a sharded checkpoint is
+    refused (:class:`CheckpointError`), never written into.
+
+    The ranks first compare digests of their model, optimizer state (not under
+    sharding: each rank holds other shards), ledger, steps, noise seed and sampler: if
+    they differ, nothing is written and :class:`CheckpointError` is raised on every rank.
     """
     rank, world = _rank_and_world(group)
+    sharded = _is_sharded(private)
     local_error: BaseException | None = None
     parts: dict[str, str] = {}
     try:
@@ -130,17 +156,22 @@ def save_checkpoint(
                 "steps; save between steps (after optimizer.step())"
             )
         parts = {
-            "model": _digest(private.model.state_dict()),
-            "optimizer": _digest(opt.original_optimizer.state_dict()),
             "ledger": _digest(private.ledger.state_dict()),
             "steps_taken": repr(opt.steps_taken),
+            "seed": repr(opt.seed),
             "sampler": _digest(sampler.state_dict()),
         }
+        if not sharded:  # a sharded run's ranks hold different shards of these
+            parts["model"] = _digest(private.model.state_dict())
+            parts["optimizer"] = _digest(opt.original_optimizer.state_dict())
     except Exception as exc:
         local_error = exc
     rng_states = _raise_on_every_rank(
         "save_checkpoint", local_error, parts, group, _rng_state(), error_type=CheckpointError
     )
+    if sharded:
+        _save_sharded(Path(path), private, world, rng_states, extra, group)
+        return
     status = None
     if rank == 0:
         try:
@@ -164,6 +195,46 @@ def save_checkpoint(
     status = _broadcast_object(status, group)
     if status is not None:
         raise CheckpointError(f"rank 0 {status}")
+
+
+def _save_sharded(
+    path: Path,
+    private: PrivateTraining,
+    world: int,
+    rng_states: list[Any],
+    extra: dict[str, Any] | None,
+    group: Any,
+) -> None:
+    opt = private.optimizer
+    dp_state = opt.state_dict()
+    del dp_state["optimizer"]  # the wrapped optimizer's shards go through DCP
+    state = {
+        "kind": _CHECKPOINT_KIND,
+        "format_version": _CHECKPOINT_VERSION,
+        "layout": "sharded",
+        "world_size": world,
+        "step": opt.steps_taken,
+        "config": _run_config(private),
+        "dp_optimizer": dp_state,
+        "sampler": _sampler_of(private).state_dict(),
+        "ledger": private.ledger.state_dict(),
+        "rng": rng_states,
+        "extra": {} if extra is None else extra,
+        # for consolidation into a Hugging Face folder with its privacy record
+        "model_info": describe_model(private.model),
+        "target_delta": private.target_delta,
+        "accountant": private.accountant,
+    }
+    try:
+        sharded_checkpoint.save_sharded(
+            path, private.model, opt.original_optimizer, state, group=group
+        )
+    except ValueError as exc:  # a path that is not a sharded checkpoint: refused by name
+        raise CheckpointError(str(exc)) from exc
+    except OSError as exc:
+        raise CheckpointError(
+            f"could not write sharded checkpoint path={str(path)!r}: {exc}"
+        ) from exc
 
 
 def _atomic_save(state: dict[str, Any], path: Path) -> None:
@@ -198,25 +269,37 @@ def load_checkpoint(
     world size may differ (sampling and noise do not depend on it), only the
     per-rank RNG states used by dropout are then not restored. The restored
     ledger continues: a crash never resets the budget.
+
+    A sharded (FSDP2) run loads a sharded checkpoint's directory: rank 0 reads the
+    small state and broadcasts it, every rank reads its shards (resharded by
+    ``torch.distributed.checkpoint`` if the world size changed). A sharded checkpoint
+    resumes a sharded run only, and a one-file checkpoint an unsharded run only
+    (:class:`CheckpointError` otherwise).
     """
     rank, _ = _rank_and_world(group)
-    loaded: tuple[str | None, dict[str, Any] | None] = (None, None)
-    if rank == 0:
+    sharded = _is_sharded(private)
+    # rank 0's view of the path decides (the other ranks may not see a one-file checkpoint)
+    seen = (sharded_checkpoint.is_sharded_checkpoint(path), os.path.exists(path))
+    on_disk, exists = _broadcast_object(seen if rank == 0 else None, group)
+    if sharded and not exists:
+        raise CheckpointError(f"path={str(path)!r} does not exist: no checkpoint to resume")
+    if on_disk != sharded:
+        what = "a sharded (FSDP2) checkpoint directory" if on_disk else "not a sharded checkpoint"
+        run = "a sharded (FSDP2) run" if sharded else "an unsharded run"
+        hint = (
+            "consolidate it (dptrain consolidate) to start an unsharded run from its weights"
+            if on_disk
+            else "a sharded run saves and resumes a directory (save_checkpoint on that run)"
+        )
+        raise CheckpointError(f"path={str(path)!r} is {what}, and this is {run}: {hint}")
+    directory: Path | None = None
+    if sharded:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            if not isinstance(state, dict) or state.get("kind") != _CHECKPOINT_KIND:
-                raise ValueError("not a dptrain checkpoint (no kind='dptrain-checkpoint')")
-            version = state.get("format_version")
-            if version != _CHECKPOINT_VERSION:
-                raise ValueError(
-                    f"format_version={version!r} is not supported: expected {_CHECKPOINT_VERSION}"
-                )
-            loaded = (None, state)
-        except Exception as exc:
-            loaded = (f"could not read checkpoint path={str(path)!r}: {_describe(exc)}", None)
-    error, state = _broadcast_object(loaded, group)
-    if error is not None or state is None:
-        raise CheckpointError(f"rank 0 {error}")
+            directory, state = sharded_checkpoint.read_state(path, group=group)
+        except ValueError as exc:
+            raise CheckpointError(f"rank 0 {exc}") from exc
+    else:
+        state = _read_file(path, rank, group)
     saved, current = state["config"], _run_config(private)
     diffs = [
         f"{k}={saved.get(k)!r} in the checkpoint, {current[k]!r} in this run"
@@ -228,8 +311,25 @@ def load_checkpoint(
             f"checkpoint path={str(path)!r} does not match this run (a resumed run must use "
             "the configuration it was saved with): " + "; ".join(diffs)
         )
-    private.model.load_state_dict(state["model"])
-    private.optimizer.load_state_dict(state["optimizer"])
+    if directory is not None:
+        opt = private.optimizer
+        # the DP wrapper's own state (ledger, steps, seed, rates); the wrapped optimizer's
+        # current state goes round unchanged, then its shards come from the checkpoint
+        opt.load_state_dict(
+            {**state["dp_optimizer"], "optimizer": opt.original_optimizer.state_dict()}
+        )
+        try:
+            sharded_checkpoint.load_shards(
+                directory, private.model, opt.original_optimizer, group=group
+            )
+        except Exception as exc:
+            raise CheckpointError(
+                f"could not load the shards of path={str(path)!r} ({directory.name}): "
+                f"{_describe(exc)}"
+            ) from exc
+    else:
+        private.model.load_state_dict(state["model"])
+        private.optimizer.load_state_dict(state["optimizer"])
     private.data_loader.load_state_dict(state["sampler"])
     rank_now, world_now = _rank_and_world(group)
     if state["world_size"] == world_now:
@@ -247,3 +347,25 @@ def load_checkpoint(
     if rank_now == 0:
         log.info("resumed from %s at step %d (%r)", path, state["step"], private.ledger)
     return state.get("extra", {})
+
+
+def _read_file(path: str | os.PathLike, rank: int, group: Any) -> dict[str, Any]:
+    """A one-file checkpoint, read by rank 0 and broadcast."""
+    loaded: tuple[str | None, dict[str, Any] | None] = (None, None)
+    if rank == 0:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict) or state.get("kind") != _CHECKPOINT_KIND:
+                raise ValueError("not a dptrain checkpoint (no kind='dptrain-checkpoint')")
+            version = state.get("format_version")
+            if version != _CHECKPOINT_VERSION:
+                raise ValueError(
+                    f"format_version={version!r} is not supported: expected {_CHECKPOINT_VERSION}"
+                )
+            loaded = (None, state)
+        except Exception as exc:
+            loaded = (f"could not read checkpoint path={str(path)!r}: {_describe(exc)}", None)
+    error, state = _broadcast_object(loaded, group)
+    if error is not None or state is None:
+        raise CheckpointError(f"rank 0 {error}")
+    return state

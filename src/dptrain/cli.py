@@ -33,6 +33,8 @@
     dptrain demo            the main job: a private sentiment classifier, against no
                             training and non-private (Rotten Tomatoes, MiniLM)
     dptrain accounting-demo the accounting demo (table + plot)
+    dptrain consolidate CKPT OUT  a sharded (FSDP2) checkpoint as a plain Hugging Face folder
+                            (config + safetensors, full weights) with its privacy.json
     dptrain bench           dptrain vs non-private and Opacus: step time, memory, largest
                             batch, accountants (--quick: a smoke check; docs/bench.md)
 
@@ -238,6 +240,26 @@ def build_parser() -> argparse.ArgumentParser:
         config_flag=False,
     )
     p.add_argument("--out", default="runs/demo", help="run folder")
+
+    p = sub.add_parser(
+        "consolidate",
+        help="a sharded (FSDP2) checkpoint as a Hugging Face folder with privacy.json",
+        description="Write the sharded checkpoint CHECKPOINT (the directory save_checkpoint "
+        "wrote for an FSDP2 run) as a plain Hugging Face folder OUT: config.json, the full "
+        "weights as safetensors (save_pretrained; a LoRA model merged into its base) and "
+        "privacy.json, the guarantee of the steps in the checkpoint's ledger. One process, "
+        "the whole model in memory.",
+    )
+    p.add_argument("checkpoint", help="the sharded checkpoint's directory")
+    p.add_argument("out", help="the folder to write (must not exist, or be empty)")
+    p.add_argument(
+        "--delta",
+        type=float,
+        help="delta of the stated epsilon (default: the run's target_delta; required when "
+        "the run gave a noise multiplier)",
+    )
+    p.add_argument("--accountant", choices=ACCOUNTANTS, help="accountant (default: the run's)")
+    _add_json(p)
 
     p = sub.add_parser(
         "bench",
@@ -697,7 +719,44 @@ def _cmd_search_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
 # -- rendering -----------------------------------------------------------------------
 
 
+def _cmd_consolidate(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from pathlib import Path
+
+    from dptrain import privacy_record
+    from dptrain.distributed.consolidate import consolidate_checkpoint
+
+    if args.delta is not None and not 0 < args.delta < 1:
+        raise CliError(f"--delta={args.delta} is not allowed: expected a number in (0, 1)")
+    if not Path(args.checkpoint).is_dir():
+        raise CliError(
+            f"checkpoint={args.checkpoint!r} is not a directory: expected the directory "
+            "save_checkpoint wrote for a sharded (FSDP2) run"
+        )
+    out = consolidate_checkpoint(
+        args.checkpoint, args.out, delta=args.delta, accountant=args.accountant
+    )
+    record = privacy_record.read(out)
+    return [
+        {
+            "model": str(out),
+            "epsilon": record.epsilon,
+            "delta": record.delta,
+            "accountant": record.accountant,
+            "privacy_unit": record.privacy_unit,
+            "steps": record.training.get("steps_taken"),
+            "guarantee": record.statement,
+        }
+    ]
+
+
 def _render(command: str, records: list[dict[str, Any]]) -> str:
+    if command == "consolidate":
+        (r,) = records
+        keys = ["epsilon", "delta", "accountant", "privacy_unit", "steps"]
+        return (
+            f"{r['guarantee']}\n{format_table(keys, [[r[k] for k in keys]])}\n"
+            f"model: {r['model']} (save_pretrained, privacy.json)"
+        )
     if command == "epsilon":
         head = ["accountant", "epsilon", "delta", "steps", "note"]
         rows = [
@@ -769,6 +828,7 @@ _COMMANDS = {
     "calibrate": _cmd_calibrate,
     "calibrate-dpfp": _cmd_calibrate_dpfp,
     "search-cost": _cmd_search_cost,
+    "consolidate": _cmd_consolidate,
 }
 
 

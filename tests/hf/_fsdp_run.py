@@ -27,8 +27,11 @@ def _trainer(
     sharded: bool,
     per_device: int,
     arguments: dict[str, Any] | None = None,
+    device: str = "cpu",
     **privacy: Any,
 ) -> Any:
+    import torch
+
     from dptrain.hf import DPTrainer, PrivacyArguments
     from tests.distributed import fsdp_run
     from tests.hf import tiny
@@ -54,7 +57,8 @@ def _trainer(
         learning_rate=0.5,
         **(arguments or {}),
     )
-    model = fsdp_run.llama()
+    with torch.device(device):
+        model = fsdp_run.llama()
     if sharded:
         model = fsdp_run.shard(model)
     settings = dict(noise_multiplier=1e-12, max_grad_norm=C, target_delta=1e-5, seed=SEED)
@@ -96,6 +100,7 @@ REFUSED = {
     "secure_mode": ({}, {"secure_mode": True, "seed": None}),
     "group_by": ({}, {"group_by": "user_id"}),
     "resume": ({}, {}),
+    "device": ({}, {}),  # sharded on the meta device, trained on the CPU
 }
 
 
@@ -103,7 +108,8 @@ def refusal(output_dir: str, kind: str) -> str:
     """The error DPTrainer raises for a sharded model with ``kind``'s setting (its message)."""
     arguments, privacy = REFUSED[kind]
     try:
-        trainer = _trainer(output_dir, True, 2, arguments, **privacy)
+        device = "meta" if kind == "device" else "cpu"
+        trainer = _trainer(output_dir, True, 2, arguments, device, **privacy)
         if kind == "resume":
             trainer.train(resume_from_checkpoint=output_dir)
     except Exception as exc:  # the test reads the message

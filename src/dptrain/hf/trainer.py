@@ -42,6 +42,15 @@ How it sits in Trainer's loop (read against transformers 5.23), and why
   noise and sampling stream continue. Trainer is told to skip no data on resume
   (``ignore_data_skip``): skipping would draw batches; the restored sampler already
   stands at the right step.
+* **A model sharded with FSDP2** (``fully_shard`` by the user, before DPTrainer gets
+  it) goes through :func:`~dptrain.distributed.make_private_distributed`'s sharded
+  path: per-example clipping on the gathered weights, each clipped sum reduced into
+  the rank's shard, equal chunks on every rank (padding rows of weight 0), keyed
+  noise (:mod:`dptrain.distributed.sharded_optimizer`). Trainer treats it as
+  "sharded at load time": no DDP wrapper (its construction would broadcast rank 0's
+  shards over the others'), no move; ``save_model`` gathers the shards. accelerate's
+  own FSDP plugin is refused (it shards after ``create_optimizer``, where the clipping
+  is built), and so are checkpoints of a sharded run (docs/hf.md, FSDP2).
 
 The TrainingArguments the Trainer runs with are a copy of the given ones with
 ``gradient_accumulation_steps=1``, ``max_grad_norm=0``, ``max_steps`` = the planned
@@ -273,6 +282,18 @@ def _check_sharded_model(
     refuse_fsdp1(model)
     if not is_fsdp2(model):
         return False
+    local = next((p.to_local() for p in model.parameters() if hasattr(p, "to_local")), None)
+    if local is not None and (
+        local.device.type != args.device.type
+        or (local.device.index is not None and args.device.index not in (None, local.device.index))
+    ):
+        # Trainer would move the sharded model to its device, which FSDP2 does not support
+        raise UnsupportedTrainingArgumentsError(
+            f"the model is sharded on {local.device}, but TrainingArguments train on "
+            f"{args.device}: shard it on the training device (init_device_mesh("
+            f"{args.device.type!r}, (world_size,)) and the model on {args.device}), or set "
+            "use_cpu to match"
+        )
     save = str(getattr(args.save_strategy, "value", args.save_strategy))
     if save != "no":
         raise UnsupportedTrainingArgumentsError(

@@ -28,6 +28,7 @@ def _trainer(
     per_device: int,
     arguments: dict[str, Any] | None = None,
     device: str = "cpu",
+    lora: bool = False,
     **privacy: Any,
 ) -> Any:
     import torch
@@ -58,7 +59,7 @@ def _trainer(
         **(arguments or {}),
     )
     with torch.device(device):
-        model = fsdp_run.llama()
+        model = fsdp_run.llama(lora)
     if sharded:
         model = fsdp_run.shard(model)
     settings = dict(noise_multiplier=1e-12, max_grad_norm=C, target_delta=1e-5, seed=SEED)
@@ -74,12 +75,18 @@ def _trainer(
 
 
 def train(
-    output_dir: str, sharded: bool, per_device: int, save: bool = False, **privacy: Any
+    output_dir: str,
+    sharded: bool,
+    per_device: int,
+    save: bool = False,
+    lora: bool = False,
+    **privacy: Any,
 ) -> dict[str, Any]:
     """3 DPTrainer updates (SGD, expected batch per_device x 2 x world); the initial and
-    final parameters (gathered, by name), the ledger and what the run used."""
-    trainer = _trainer(output_dir, sharded, per_device, **privacy)
-    initial = {n: full(p) for n, p in trainer.model.named_parameters()}
+    final trainable parameters (gathered, by name), the ledger and what the run used.
+    ``lora``: LoRA r4 on q/v, only the adapters trainable."""
+    trainer = _trainer(output_dir, sharded, per_device, lora=lora, **privacy)
+    initial = {n: full(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     if save:
         trainer.save_model()
@@ -88,7 +95,7 @@ def train(
         "global_step": trainer.state.global_step,
         "ledger": trainer.privacy.ledger.state_dict(),
         "initial": initial,
-        "params": {n: full(p) for n, p in trainer.model.named_parameters()},
+        "params": {n: full(p) for n, p in trainer.model.named_parameters() if p.requires_grad},
         "optimizer": type(trainer.privacy.optimizer).__name__,
         "padding": trainer.padding,
         "epsilon": trainer.epsilon(),
@@ -125,6 +132,11 @@ def scenarios(output_dir: str) -> tuple[dict, dict, dict]:
     )
     refusals = {k: refusal(f"{output_dir}/{k}", k) for k in REFUSED}
     return quiet, noised, refusals
+
+
+def lora_ghost(output_dir: str) -> dict:
+    """LoRA adapters on the sharded model, ghost clipping, sigma ~ 0."""
+    return train(output_dir, True, 2, lora=True, mode="ghost")
 
 
 if __name__ == "__main__":

@@ -119,3 +119,18 @@ def test_accelerate_fsdp_plugin_is_refused_with_what_is_supported(tmp_path):
     message = str(err.value)
     assert message.startswith("fsdp=")
     assert "fully_shard(layer)" in message and "torchrun" in message
+
+
+@pytest.mark.slow
+def test_lora_ghost_sharded_run_equals_one_process(tmp_path):
+    # ~45 s on 2 loaded cores: its own spawn of 2 processes
+    ranks = spawn(_fsdp_run.lora_ghost, 2, (str(tmp_path / "two"),), timeout=120, join_timeout=900)
+    one = _fsdp_run.train(str(tmp_path / "one"), False, 4, lora=True, mode="ghost")
+    assert all("lora_" in n for n in one["params"])  # only the adapters train
+    moved = max(float((one["params"][n] - one["initial"][n]).abs().max()) for n in one["params"])
+    assert moved > 1e-3
+    for rank in ranks:
+        assert rank["optimizer"] == "ShardedDPOptimizer" and rank["ledger"] == one["ledger"]
+        assert rank["params"].keys() == one["params"].keys()
+        for name, value in one["params"].items():
+            torch.testing.assert_close(rank["params"][name], value, rtol=0, atol=1e-6, msg=name)

@@ -24,7 +24,7 @@ def full(t: Any) -> Any:
 
 def _trainer(
     output_dir: str,
-    sharded: bool,
+    sharded: bool | str,
     per_device: int,
     arguments: dict[str, Any] | None = None,
     device: str = "cpu",
@@ -60,7 +60,14 @@ def _trainer(
     )
     with torch.device(device):
         model = fsdp_run.llama(lora)
-    if sharded:
+    if sharded == "layers":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (args.world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+    elif sharded:
         model = fsdp_run.shard(model)
     settings = dict(noise_multiplier=1e-12, max_grad_norm=C, target_delta=1e-5, seed=SEED)
     # PLD cannot discretise the privacy loss at sigma ~ 0; RDP's epsilon stays finite
@@ -108,6 +115,7 @@ REFUSED = {
     "group_by": ({}, {"group_by": "user_id"}),
     "resume": ({}, {}),
     "device": ({}, {}),  # sharded on the meta device, trained on the CPU
+    "root": ({}, {}),  # the decoder layers sharded, the root not
 }
 
 
@@ -116,7 +124,8 @@ def refusal(output_dir: str, kind: str) -> str:
     arguments, privacy = REFUSED[kind]
     try:
         device = "meta" if kind == "device" else "cpu"
-        trainer = _trainer(output_dir, True, 2, arguments, device, **privacy)
+        sharded = "layers" if kind == "root" else True
+        trainer = _trainer(output_dir, sharded, 2, arguments, device, **privacy)
         if kind == "resume":
             trainer.train(resume_from_checkpoint=output_dir)
     except Exception as exc:  # the test reads the message

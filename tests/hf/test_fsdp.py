@@ -98,6 +98,7 @@ def test_save_model_writes_the_gathered_weights_and_privacy_json(runs):
         ("secure_mode", ["secure_mode=True", "FSDP2-sharded"]),
         ("group_by", ["group_by='user_id'", "FSDP2-sharded"]),
         ("device", ["sharded on meta", "train on cpu", "init_device_mesh('cpu'"]),
+        ("root", ["UnsupportedModelError", "LlamaForCausalLM", "fully_shard(model)"]),
     ],
 )
 def test_unsupported_settings_with_a_sharded_model_are_refused(runs, kind, words):

@@ -72,7 +72,7 @@ from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArg
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dptrain import make_private
-from dptrain.clipping import ClippingEngine
+from dptrain.clipping import ClippingEngine, UnsupportedModelError
 from dptrain.data.poisson import group_records
 from dptrain.distributed import make_private_distributed
 from dptrain.distributed.fsdp import FSDPSharding, is_fsdp2, refuse_fsdp1
@@ -282,6 +282,18 @@ def _check_sharded_model(
     refuse_fsdp1(model)
     if not is_fsdp2(model):
         return False
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        # Without a root FSDP module each sharded layer acts as its own root and leaves
+        # its gathered weights registered after the forward; the engine would refuse
+        # them as "rebound in forward", which does not say what to do.
+        raise UnsupportedModelError(
+            f"the model ({type(model).__name__}) has FSDP2-sharded submodules but is not "
+            "sharded itself: shard the root too, fully_shard(model) after "
+            "fully_shard(layer) for each decoder layer (it also holds the embedding and "
+            "the final norm)"
+        )
     local = next((p.to_local() for p in model.parameters() if hasattr(p, "to_local")), None)
     if local is not None and (
         local.device.type != args.device.type

@@ -29,6 +29,7 @@ def _trainer(
     arguments: dict[str, Any] | None = None,
     device: str = "cpu",
     lora: bool = False,
+    eval_dataset: Any = None,
     **privacy: Any,
 ) -> Any:
     import torch
@@ -77,6 +78,7 @@ def _trainer(
         model=model,
         args=args,
         train_dataset=tiny.lm_records(40),
+        eval_dataset=eval_dataset,
         privacy_args=PrivacyArguments(**settings),
     )
 
@@ -92,7 +94,19 @@ def train(
     """3 DPTrainer updates (SGD, expected batch per_device x 2 x world); the initial and
     final trainable parameters (gathered, by name), the ledger and what the run used.
     ``lora``: LoRA r4 on q/v, only the adapters trainable."""
-    trainer = _trainer(output_dir, sharded, per_device, lora=lora, **privacy)
+    from tests.hf import tiny
+
+    # evaluated after step 2 (engine attached, between private steps) and at the end;
+    # 11 records: the ranks get unequal shares
+    trainer = _trainer(
+        output_dir,
+        sharded,
+        per_device,
+        {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 3},
+        lora=lora,
+        eval_dataset=tiny.lm_records(11, seed=3),
+        **privacy,
+    )
     initial = {n: full(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     if save:
@@ -106,6 +120,7 @@ def train(
         "optimizer": type(trainer.privacy.optimizer).__name__,
         "padding": trainer.padding,
         "epsilon": trainer.epsilon(),
+        "eval_loss": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
     }
 
 

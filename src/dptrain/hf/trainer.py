@@ -276,8 +276,9 @@ def _check_sharded_model(
 ) -> bool:
     """Whether ``model`` is sharded with FSDP2; refuses what DPTrainer cannot do with it.
 
-    FSDP1 (``FullyShardedDataParallel``) is refused by the engine's own message, which
-    points to FSDP2.
+    FSDP1 (``FullyShardedDataParallel``) is refused with
+    :func:`dptrain.distributed.fsdp.refuse_fsdp1`'s message, which points to FSDP2; what
+    the engine cannot clip under sharding is refused when the probe builds it.
     """
     refuse_fsdp1(model)
     if not is_fsdp2(model):

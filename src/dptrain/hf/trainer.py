@@ -42,6 +42,15 @@ How it sits in Trainer's loop (read against transformers 5.23), and why
   noise and sampling stream continue. Trainer is told to skip no data on resume
   (``ignore_data_skip``): skipping would draw batches; the restored sampler already
   stands at the right step.
+* **A model sharded with FSDP2** (``fully_shard`` by the user, before DPTrainer gets
+  it) goes through :func:`~dptrain.distributed.make_private_distributed`'s sharded
+  path: per-example clipping on the gathered weights, each clipped sum reduced into
+  the rank's shard, equal chunks on every rank (padding rows of weight 0), keyed
+  noise (:mod:`dptrain.distributed.sharded_optimizer`). Trainer treats it as
+  "sharded at load time": no DDP wrapper (its construction would broadcast rank 0's
+  shards over the others'), no move; ``save_model`` gathers the shards. accelerate's
+  own FSDP plugin is refused (it shards after ``create_optimizer``, where the clipping
+  is built), and so are checkpoints of a sharded run (docs/hf.md, FSDP2).
 
 The TrainingArguments the Trainer runs with are a copy of the given ones with
 ``gradient_accumulation_steps=1``, ``max_grad_norm=0``, ``max_steps`` = the planned
@@ -63,9 +72,11 @@ from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArg
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dptrain import make_private
-from dptrain.clipping import ClippingEngine
+from dptrain.clipping import ClippingEngine, UnsupportedModelError
 from dptrain.data.poisson import group_records
 from dptrain.distributed import make_private_distributed
+from dptrain.distributed.fsdp import FSDPSharding, is_fsdp2, refuse_fsdp1
+from dptrain.distributed.sharded_sums import ShardedGradStore
 from dptrain.hf.arguments import PrivacyArguments
 from dptrain.hf.checkpoint import check_in_step, restore_sampler, save_state
 from dptrain.hf.data import (
@@ -195,6 +206,17 @@ class _PrivacyCallback(TrainerCallback):
                 bar.set_postfix(eps=f"<={curve(steps):.2f}", refresh=False)
 
 
+# Why accelerate's FSDP plugin is refused, and what is supported instead (docs/hf.md, FSDP).
+_ACCELERATE_FSDP = (
+    "accelerate's FSDP plugin shards the model after Trainer has made its optimizer, "
+    "which is where DPTrainer builds the per-example clipping (on the unsharded model), "
+    "and accelerate ignores the plugin on CPU, where DPTrainer's FSDP support is tested. "
+    "Supported instead: shard the model yourself with FSDP2 before passing it to "
+    "DPTrainer (torch.distributed.fsdp.fully_shard(layer) for each decoder layer, then "
+    "fully_shard(model)) and launch with torchrun, without fsdp= / fsdp_config="
+)
+
+
 def _check_training_args(args: TrainingArguments) -> None:
     """Refuse TrainingArguments that would break the sampling or the private step."""
     if getattr(args, "group_by_length", False):
@@ -229,7 +251,7 @@ def _check_training_args(args: TrainingArguments) -> None:
             "per-example losses are plain cross-entropy",
         ),
         "deepspeed": (bool(args.deepspeed), "DeepSpeed owns the backward and the optimizer step"),
-        "fsdp": (bool(args.fsdp), "FSDP shards gradients before they are clipped per example"),
+        "fsdp": (bool(args.fsdp), _ACCELERATE_FSDP),
     }
     for name, (bad, why) in refused.items():
         if bad:
@@ -247,6 +269,65 @@ def _check_training_args(args: TrainingArguments) -> None:
             f"n_gpu={args.n_gpu} (torch DataParallel) is not allowed: launch one process per "
             "device with torchrun instead"
         )
+
+
+def _check_sharded_model(
+    model: nn.Module, args: TrainingArguments, privacy_args: PrivacyArguments
+) -> bool:
+    """Whether ``model`` is sharded with FSDP2; refuses what DPTrainer cannot do with it.
+
+    FSDP1 (``FullyShardedDataParallel``) is refused with
+    :func:`dptrain.distributed.fsdp.refuse_fsdp1`'s message, which points to FSDP2; what
+    the engine cannot clip under sharding is refused when the probe builds it.
+    """
+    refuse_fsdp1(model)
+    if not is_fsdp2(model):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        # Without a root FSDP module each sharded layer acts as its own root and leaves
+        # its gathered weights registered after the forward; the engine would refuse
+        # them as "rebound in forward", which does not say what to do.
+        raise UnsupportedModelError(
+            f"the model ({type(model).__name__}) has FSDP2-sharded submodules but is not "
+            "sharded itself: shard the root too, fully_shard(model) after "
+            "fully_shard(layer) for each decoder layer (it also holds the embedding and "
+            "the final norm)"
+        )
+    local = next((p.to_local() for p in model.parameters() if hasattr(p, "to_local")), None)
+    if local is not None and (
+        local.device.type != args.device.type
+        or (local.device.index is not None and args.device.index not in (None, local.device.index))
+    ):
+        # Trainer would move the sharded model to its device, which FSDP2 does not support
+        raise UnsupportedTrainingArgumentsError(
+            f"the model is sharded on {local.device}, but TrainingArguments train on "
+            f"{args.device}: shard it on the training device (init_device_mesh("
+            f"{args.device.type!r}, (world_size,)) and the model on {args.device}), or set "
+            "use_cpu to match"
+        )
+    save = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if save != "no":
+        raise UnsupportedTrainingArgumentsError(
+            f"save_strategy={save!r} is not allowed with an FSDP2-sharded model: DPTrainer "
+            "does not write resumable checkpoints of a sharded run yet (each rank holds a "
+            "shard of the weights and of the optimizer state); set save_strategy='no'. "
+            "trainer.save_model() after train() writes the gathered model with privacy.json"
+        )
+    if privacy_args.group_by is not None:
+        raise UnsupportedTrainingArgumentsError(
+            f"PrivacyArguments.group_by={privacy_args.group_by!r} is not allowed with an "
+            "FSDP2-sharded model: user-level DP under FSDP is not supported (every rank must "
+            "run the same chunks, and users are packed whole per rank); train the model "
+            "unsharded (one process or DDP) or drop group_by"
+        )
+    if privacy_args.secure_mode:
+        raise PrivacyArgumentsError(
+            "secure_mode=True is not allowed with an FSDP2-sharded model: the ranks draw "
+            "each shard's noise from keys of a shared seed, which secure mode does away with"
+        )
+    return True
 
 
 class DPTrainer(Trainer):
@@ -303,6 +384,7 @@ class DPTrainer(Trainer):
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         _check_training_args(args)
+        sharded = _check_sharded_model(model, args, privacy_args) if model is not None else False
         self._check_no_custom_sampler()
         num_records = check_map_style(train_dataset)
         unit_ids = None
@@ -328,6 +410,7 @@ class DPTrainer(Trainer):
         self.user_args = args
         self.privacy: PrivateTraining | None = None
         self._unit_ids = unit_ids
+        self._sharded = sharded
         self._resume_dir: str | None = None
         self._resumed_steps: int | None = None
         self._epsilon_cache: tuple[int, float] | None = None
@@ -341,6 +424,18 @@ class DPTrainer(Trainer):
             processing_class=processing_class,
             **kwargs,
         )
+        if self.is_fsdp_enabled:
+            # accelerate's FSDP plugin from `accelerate launch` (fsdp= is refused above)
+            raise UnsupportedTrainingArgumentsError(
+                f"accelerate's FSDP plugin (accelerate launch with an FSDP config) is not "
+                f"allowed with DPTrainer: {_ACCELERATE_FSDP}"
+            )
+        if sharded:
+            # A model already sharded with fully_shard is what Trainer calls "sharded at
+            # load time": it then neither wraps it in DDP (whose construction would
+            # broadcast rank 0's shards over the others') nor moves it, and gathers the
+            # shards to save it.
+            self.is_distributed_loading_by_transformers = True
         self._user_optimizer = self.optimizer
         if self.optimizer is not None:
             self._check_given_optimizer(self.optimizer)
@@ -449,6 +544,9 @@ class DPTrainer(Trainer):
         engine = ClippingEngine(
             self.model, plan.max_grad_norm, clipping=plan.clipping, mode=plan.mode
         )
+        if self._sharded:
+            # as training will clip it (a collective: every rank probes the same record)
+            engine.shard(FSDPSharding(self.model, engine.module_rules), ShardedGradStore())
         was_training = self.model.training
         device = self.args.device
         try:
@@ -642,12 +740,15 @@ class DPTrainer(Trainer):
         net.train()
         private.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float32, device=self.args.device)
-        for chunk in inputs.batch.chunks:
+        # rows of padding at the end of each chunk (a sharded model: every rank runs the
+        # same chunks); the engine gives them weight 0, and the logged loss leaves them out
+        padding = getattr(inputs.batch, "padding", None) or [0] * len(inputs.batch.chunks)
+        for chunk, pad in zip(inputs.batch.chunks, padding, strict=True):
             chunk = self._prepare_inputs(chunk)
             with self.compute_loss_context_manager():
                 losses = self.compute_per_example_loss(net, chunk)
             private.backward(losses)
-            total += losses.detach().float().sum()
+            total += losses.detach()[: losses.shape[0] - pad].float().sum()
         private.optimizer.step()
         return total / max(inputs.batch.size, 1)
 
@@ -679,6 +780,12 @@ class DPTrainer(Trainer):
             )
         if resume_from_checkpoint is False:
             resume_from_checkpoint = None
+        if resume_from_checkpoint is not None and self._sharded:
+            raise UnsupportedTrainingArgumentsError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} is not allowed with an "
+                "FSDP2-sharded model: DPTrainer does not write resumable checkpoints of a "
+                "sharded run yet"
+            )
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -754,6 +861,22 @@ class DPTrainer(Trainer):
         super().save_model(output_dir, _internal_call)
         if self.privacy is not None and self.args.should_save:
             write_privacy_report(output_dir or self.args.output_dir, self.privacy_report())
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's ``_save``; a sharded model's weights are gathered first (every rank
+        takes part, the writing rank gets the whole tensors, on the CPU)."""
+        if self._sharded and state_dict is None:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            state_dict = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if not self.args.should_save:
+                return  # (only here for the gather)
+        super()._save(output_dir, state_dict=state_dict)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         """Trainer's model card, with the privacy section (Trainer rewrites README.md)."""

@@ -1,0 +1,168 @@
+"""DPTrainer on an FSDP2-sharded model, for tests/hf/test_fsdp.py (module-level, so spawn
+can pickle it): the tied 2-layer Llama of tests/distributed/fsdp_run.py, sharded by the
+user with ``fully_shard`` per decoder layer and at the root before DPTrainer gets it.
+
+Also a script, for docs/hf.md: ``torchrun --nproc_per_node 2 -m tests.hf._fsdp_run OUT``
+(gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+SEED = 13
+C = 0.05
+
+
+def full(t: Any) -> Any:
+    """The whole tensor (gathered from every rank's shard), float64, detached."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().clone()
+
+
+def _trainer(
+    output_dir: str,
+    sharded: bool | str,
+    per_device: int,
+    arguments: dict[str, Any] | None = None,
+    device: str = "cpu",
+    lora: bool = False,
+    eval_dataset: Any = None,
+    **privacy: Any,
+) -> Any:
+    import torch
+
+    from dptrain.hf import DPTrainer, PrivacyArguments
+    from tests.distributed import fsdp_run
+    from tests.hf import tiny
+
+    class Recording(DPTrainer):
+        """Keeps each update's padding rows (equal chunks on every rank)."""
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.padding: list[list[int]] = []
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.padding.append(list(getattr(inputs.batch, "padding", None) or []))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    tiny.quiet_transformers()
+    # TrainingArguments joins the process group (under torchrun), which fully_shard's mesh needs
+    args = tiny.training_args(
+        output_dir,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        learning_rate=0.5,
+        **(arguments or {}),
+    )
+    with torch.device(device):
+        model = fsdp_run.llama(lora)
+    if sharded == "layers":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (args.world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+    elif sharded:
+        model = fsdp_run.shard(model)
+    settings = dict(noise_multiplier=1e-12, max_grad_norm=C, target_delta=1e-5, seed=SEED)
+    # PLD cannot discretise the privacy loss at sigma ~ 0; RDP's epsilon stays finite
+    settings["accountant"] = "rdp"
+    settings.update(privacy)
+    return Recording(
+        model=model,
+        args=args,
+        train_dataset=tiny.lm_records(40),
+        eval_dataset=eval_dataset,
+        privacy_args=PrivacyArguments(**settings),
+    )
+
+
+def train(
+    output_dir: str,
+    sharded: bool,
+    per_device: int,
+    save: bool = False,
+    lora: bool = False,
+    **privacy: Any,
+) -> dict[str, Any]:
+    """3 DPTrainer updates (SGD, expected batch per_device x 2 x world); the initial and
+    final trainable parameters (gathered, by name), the ledger and what the run used.
+    ``lora``: LoRA r4 on q/v, only the adapters trainable."""
+    from tests.hf import tiny
+
+    # evaluated after step 2 (engine attached, between private steps) and at the end;
+    # 11 records: the ranks get unequal shares
+    trainer = _trainer(
+        output_dir,
+        sharded,
+        per_device,
+        {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 3},
+        lora=lora,
+        eval_dataset=tiny.lm_records(11, seed=3),
+        **privacy,
+    )
+    initial = {n: full(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    if save:
+        trainer.save_model()
+    return {
+        "world_size": trainer.args.world_size,
+        "global_step": trainer.state.global_step,
+        "ledger": trainer.privacy.ledger.state_dict(),
+        "initial": initial,
+        "params": {n: full(p) for n, p in trainer.model.named_parameters() if p.requires_grad},
+        "optimizer": type(trainer.privacy.optimizer).__name__,
+        "padding": trainer.padding,
+        "epsilon": trainer.epsilon(),
+        "eval_loss": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+    }
+
+
+REFUSED = {
+    "save_strategy": ({"save_strategy": "steps", "save_steps": 1}, {}),
+    "secure_mode": ({}, {"secure_mode": True, "seed": None}),
+    "group_by": ({}, {"group_by": "user_id"}),
+    "resume": ({}, {}),
+    "device": ({}, {}),  # sharded on the meta device, trained on the CPU
+    "root": ({}, {}),  # the decoder layers sharded, the root not
+}
+
+
+def refusal(output_dir: str, kind: str) -> str:
+    """The error DPTrainer raises for a sharded model with ``kind``'s setting (its message)."""
+    arguments, privacy = REFUSED[kind]
+    try:
+        device = "meta" if kind == "device" else "cpu"
+        sharded = "layers" if kind == "root" else True
+        trainer = _trainer(output_dir, sharded, 2, arguments, device, **privacy)
+        if kind == "resume":
+            trainer.train(resume_from_checkpoint=output_dir)
+    except Exception as exc:  # the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def scenarios(output_dir: str) -> tuple[dict, dict, dict]:
+    """One process group's runs: sigma ~ 0, sigma = 1 (then save_model), the refusals."""
+    quiet = train(f"{output_dir}/quiet", True, 2)
+    noised = train(
+        f"{output_dir}/noised", True, 2, save=True, noise_multiplier=1.0, accountant="pld"
+    )
+    refusals = {k: refusal(f"{output_dir}/{k}", k) for k in REFUSED}
+    return quiet, noised, refusals
+
+
+def lora_ghost(output_dir: str) -> dict:
+    """LoRA adapters on the sharded model, ghost clipping, sigma ~ 0."""
+    return train(output_dir, True, 2, lora=True, mode="ghost")
+
+
+if __name__ == "__main__":
+    result = train(sys.argv[1], True, 2, save=True, noise_multiplier=1.0, accountant="pld")
+    print({k: v for k, v in result.items() if k not in ("params", "initial")})

@@ -81,11 +81,14 @@ def _data():
     return torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
 
 
-def measure(private: bool, steps: int) -> dict:
+def measure(kind: str, steps: int) -> dict:
+    """One run: ``fsdp`` (non-private FSDP2), ``dptrain-fsdp`` or ``dptrain-ddp`` (the
+    same private training on the unsharded model, each rank a full replica)."""
+    private = kind != "fsdp"
     from dptrain.distributed import make_private_distributed
     from dptrain.losses import per_example_cross_entropy
 
-    model = _shard(_model())
+    model = _shard(_model()) if kind != "dptrain-ddp" else _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = _data()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -137,6 +140,7 @@ def measure(private: bool, steps: int) -> dict:
         "grads": grads,
         "optimizer": _state_bytes(dp_opt),
         "rss_rise": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024,
+        "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_s": statistics.median(times[1:]),
         "first_step_s": times[0],
     }
@@ -148,29 +152,36 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["fsdp", "dptrain-fsdp", "dptrain-ddp"],
+        choices=["fsdp", "dptrain-fsdp", "dptrain-ddp"],
+    )
     args = ap.parse_args()
     mb = 2**20
     rows = []
     for w in args.ranks:
-        for private in (False, True):
-            out = spawn(measure, w, (private, args.steps), timeout=600, join_timeout=3600)
+        for kind in args.kinds:
+            out = spawn(measure, w, (kind, args.steps), timeout=600, join_timeout=3600)
             r = max(out, key=lambda o: o["params"])  # the rank holding most
-            rows.append((w, private, r, statistics.median(o["step_s"] for o in out)))
+            rows.append((w, kind, r, statistics.median(o["step_s"] for o in out)))
     print(
         "| ranks | run | params / rank | grads / rank | Adam state / rank | peak RSS rise / rank "
-        "| step (s) | first step (s) |"
+        "| peak RSS / rank | step (s) | first step (s) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for w, private, r, step in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    for w, kind, r, step in rows:
         print(
-            f"| {w} | {'dptrain' if private else 'non-private'} | {r['params'] / mb:.1f} MiB "
+            f"| {w} | {kind} | {r['params'] / mb:.1f} MiB "
             f"| {r['grads'] / mb:.1f} MiB | {r['optimizer'] / mb:.1f} MiB "
-            f"| {r['rss_rise'] / mb:.0f} MiB | {step:.2f} | {r['first_step_s']:.2f} |"
+            f"| {r['rss_rise'] / mb:.0f} MiB | {r['rss_peak'] / mb:.0f} MiB | {step:.2f} "
+            f"| {r['first_step_s']:.2f} |"
         )
-    base = {w: step for w, private, _, step in rows if not private}
-    for w, private, _, step in rows:
-        if private:
-            print(f"ranks {w}: dptrain step / non-private FSDP2 step = {step / base[w]:.2f}x")
+    base = {w: step for w, kind, _, step in rows if kind == "fsdp"}
+    for w, kind, _, step in rows:
+        if kind != "fsdp" and w in base:
+            print(f"ranks {w}: {kind} step / non-private FSDP2 step = {step / base[w]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -173,7 +173,18 @@ class PrivateTraining:
         # (the engine's checks run on new graph shapes, and all ranks must run them alike)
         keep = torch.ones(b, dtype=per_example_losses.dtype, device=per_example_losses.device)
         keep[b - pad :] = 0
-        return _without_padding(self.engine.backward(per_example_losses * keep), b - pad)
+        if not self.by_user:
+            return _without_padding(self.engine.backward(per_example_losses * keep), b - pad)
+        # user-level: the padding rows are one unit of their own, the chunk's last
+        units = self.data_loader.pending_units.popleft()
+        if units.ids.shape != (b,) or units.parts != 1:
+            raise ValueError(
+                f"per_example_losses has shape {tuple(per_example_losses.shape)}, but the next "
+                f"chunk of the batch holds {units.ids.shape[0]} records: pass the chunks in order"
+            )
+        stats = self.engine.backward(per_example_losses * keep, units=units.ids)
+        users = int(units.ids.unique().numel()) - (1 if pad else 0)
+        return _without_padding(stats, users)
 
     def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
         """epsilon spent so far (from the ledger), at ``delta`` (default: the target delta)."""

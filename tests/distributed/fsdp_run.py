@@ -91,6 +91,7 @@ def private_run(
     entry: str = "make_private_distributed",
     autocast: bool = False,
     device: str = "cpu",
+    users: bool = False,
 ) -> dict:
     """``steps`` private steps (SGD, lr 1); the clipped sums of the first step (before
     noise), the initial and final parameters, full, by name."""
@@ -104,6 +105,7 @@ def private_run(
         model,
         opt,
         data(outlier, scale),
+        user_ids=[i // 2 for i in range(N_RECORDS)] if users else None,
         batch_size=batch,
         max_grad_norm=C,
         steps=steps,
@@ -115,10 +117,11 @@ def private_run(
     )
     engine = private.engine
     sums: dict[str, torch.Tensor] = {}
-    sizes = []
+    sizes, padding = [], []
     for t, batch_ in enumerate(private.data_loader):
         private.optimizer.zero_grad()
         sizes.append(batch_.global_size)
+        padding.append(getattr(batch_, "padding", None))
         for x, y, w in batch_.chunks:
             x, y, w = x.to(device), y.to(device), w.to(device)
             with torch.autocast(device, torch.bfloat16, enabled=autocast):
@@ -137,6 +140,7 @@ def private_run(
         "initial": initial,
         "params": params,
         "sizes": sizes,
+        "padding": padding,
         "divisor": private.optimizer.expected_batch_size,
         "ledger": private.ledger.state_dict(),
         "optimizer": type(private.optimizer).__name__,
@@ -160,9 +164,9 @@ def refusal(kind: str) -> str:
             fully_shard(layer, mesh=mesh)
     elif kind == "outside_use":
         return _outside_use(mesh)
-    elif kind == "user_ids":
+    elif kind == "user_ids":  # a user of 10 records, chunks of 3
         fully_shard(model, mesh=mesh)
-        user_ids = [i // 2 for i in range(N_RECORDS)]
+        user_ids = [0] * 10 + list(range(1, N_RECORDS - 9))
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     try:
         make_private_distributed(
@@ -175,6 +179,7 @@ def refusal(kind: str) -> str:
             noise_multiplier=1.0,
             seed=SEED,
             user_ids=user_ids,
+            max_physical_batch_size=3,
         )
     except Exception as exc:  # the test reads the message
         return f"{type(exc).__name__}: {exc}"

@@ -31,6 +31,7 @@ CASES = {
     "removed": dict(batch=N_RECORDS, chunk=7, outlier=OUTLIER, scale=0.0),
     "make_private": dict(entry="make_private"),
     "autocast": dict(autocast=True),
+    "users": dict(users=True, batch=7, chunk=5),
 }
 REFUSALS = ("offload", "mixed_precision", "user_ids", "unsharded_root", "outside_use")
 
@@ -82,6 +83,18 @@ def test_clipped_sums_equal_one_process(two, reference, case):
         assert rank[case]["optimizer"] == "ShardedDPOptimizer"
 
 
+def test_user_level_sums_equal_one_process(two, reference):
+    """Users (2 records each) packed whole per rank, chunks padded to equal sizes with a
+    padding unit of weight 0: the reduced sum is the one-process user-level sum."""
+    ref = reference("users")
+    for rank in two["ranks"]:
+        assert rank["users"]["sizes"] == ref["sizes"]
+        _assert_close(rank["users"]["sums"], ref["sums"], 1e-6)
+    assert two["ranks"][0]["users"]["ledger"]["privacy_unit"] == "user"
+    padded = [pad for rank in two["ranks"] for pad in rank["users"]["padding"][0]]
+    assert any(padded), padded  # the seed gives the ranks unequal packings
+
+
 def test_lora_clips_only_the_adapters(two):
     names = two["ranks"][0]["lora"]["sums"].keys()
     assert names and all("lora_" in n for n in names)
@@ -126,6 +139,11 @@ def test_noised_update_is_the_one_process_update_with_keyed_noise(two, reference
     assert float((moved * run["divisor"] - ref["sums"][name]).std()) > 0.5 * C
 
 
+def test_chunks_are_equal_on_every_rank_and_padding_is_exercised(two):
+    runs = [rank["book_keeping"] for rank in two["ranks"]]
+    assert any(pad for run in runs for pad in run["padding"][0])  # 9 records on 2 ranks
+
+
 def test_every_rank_holds_the_same_model_and_ledger(two):
     first, *others = two["ranks"]
     for rank in others:
@@ -154,7 +172,7 @@ def test_noise_keys_differ_by_step_and_parameter():
     [
         ("offload", ["CPUOffloadPolicy", "offload"]),
         ("mixed_precision", ["MixedPrecisionPolicy", "param_dtype"]),
-        ("user_ids", ["user_ids=", "FSDP2"]),
+        ("user_ids", ["max_physical_batch_size=3", "largest user has 10 records", ">= 10"]),
         ("unsharded_root", ["not sharded by FSDP2", "model.embed_tokens.weight", "fully_shard"]),
         ("outside_use", ["head.weight", "outside the forward of the module"]),
     ],

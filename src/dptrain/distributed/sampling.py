@@ -13,8 +13,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dptrain._checks import check_int
 from dptrain.data.poisson import (
+    ChunkUnits,
     DPDataLoader,
     LogicalBatch,
     PoissonBatchSampler,
@@ -214,10 +217,16 @@ class DistributedDPDataLoader:
         # user-level DP: the sampler draws units (users), each rank takes whole units
         self.unit_members = getattr(loader, "unit_members", None)
         if equal_chunks and self.unit_members is not None:
-            raise ValueError(
-                "equal_chunks=True with user-level units: not supported (a sharded model "
-                "needs every rank to run equal chunks; users are packed whole per rank)"
-            )
+            largest = max((len(m) for m in self.unit_members), default=0)
+            if largest > chunk:
+                # a user cut across chunks is clipped after its last part (add_to_unit),
+                # a backward of another shape than other ranks' chunks run at that time
+                raise ValueError(
+                    f"max_physical_batch_size={chunk} is not allowed with user-level DP on "
+                    f"a sharded model: the largest user has {largest} records, and under "
+                    "FSDP each user must fit in one chunk (every rank runs the same passes); "
+                    f"give max_physical_batch_size >= {largest}"
+                )
         self.equal_chunks = equal_chunks
         self.chunk_key = getattr(loader, "chunk_key", None)
 
@@ -239,6 +248,9 @@ class DistributedDPDataLoader:
                 self.unit_members,
             )
             q = self.sampler.sample_rate_at(step)
+            if self.equal_chunks and self.unit_members is not None:
+                yield self._equal_unit_chunks(indices, mine, q, step)
+                continue
             if self.equal_chunks:
                 yield self._equal_chunks(indices, mine, q, step)
                 continue
@@ -291,6 +303,49 @@ class DistributedDPDataLoader:
             global_size=len(indices),
             rank=self.rank,
             world_size=self.world_size,
+            padding=padding,
+        )
+
+    def _equal_unit_chunks(self, indices, mine: list[int], q: float, step: int) -> RankBatch:
+        """User-level DP on a sharded model: every rank packs its users whole (as
+        without sharding) and knows every other rank's packing (the same global batch),
+        so all run the largest number of chunks, each of the largest size any rank has
+        at that position. A shorter chunk ends in padding rows (a copy of a record of the
+        batch's first user), which form one unit of their own, the chunk's last, whose
+        losses are multiplied by 0 (:meth:`~dptrain.PrivateTraining.backward`)."""
+        members = self.unit_members
+        assert members is not None
+
+        def packing(rank: int) -> list:
+            share = order_for_chunks(
+                shard_indices(indices, rank, self.world_size), self.chunk_key, members
+            )
+            return pack_units([members[u] for u in share], self.max_physical_batch_size)
+
+        packs = [packing(r) for r in range(self.world_size)]
+        count = max(len(p) for p in packs)
+        sizes = [max(len(p[j][0]) if j < len(p) else 0 for p in packs) for j in range(count)]
+        filler = members[indices[0]][0] if count else 0
+        chunks, units, padding = [], [], []
+        for j, size in enumerate(sizes):
+            recs, unit = packs[self.rank][j] if j < len(packs[self.rank]) else ([], None)
+            pad = size - len(recs)
+            ids = unit.ids if unit is not None else torch.zeros(0, dtype=torch.long)
+            # the padding rows' unit: an index no user of this rank's batch has
+            ids = torch.cat([ids, torch.full((pad,), len(mine), dtype=torch.long)])
+            chunks.append(self.collate_fn([self.dataset[i] for i in [*recs, *[filler] * pad]]))
+            units.append(ChunkUnits(ids))
+            padding.append(pad)
+        return RankBatch(
+            chunks=chunks,
+            size=sum(len(members[u]) for u in mine),
+            sample_rate=q,
+            step=step,
+            global_size=sum(len(members[u]) for u in indices),
+            rank=self.rank,
+            world_size=self.world_size,
+            units=units,
+            num_units=len(mine),
             padding=padding,
         )
 

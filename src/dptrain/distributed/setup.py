@@ -123,12 +123,6 @@ def make_private_distributed(
     fingerprint: dict[str, str] = {}
     chunk: int | None = None
     try:
-        if sharded and user_ids is not None:
-            raise ValueError(
-                "user_ids= with an FSDP2-sharded model: user-level DP under FSDP is not "
-                "supported yet (every rank must run the same chunks; users are packed whole "
-                "per rank); train with DDP (an unsharded model) or drop user_ids"
-            )
         chunk = _per_rank_chunk(max_physical_batch_size, global_physical_batch_size, world)
         fingerprint = _config_fingerprint(model, optimizer, data, settings)
     except Exception as exc:

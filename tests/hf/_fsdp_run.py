@@ -8,6 +8,7 @@ Also a script, for docs/hf.md: ``torchrun --nproc_per_node 2 -m tests.hf._fsdp_r
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -51,14 +52,14 @@ def _trainer(
 
     tiny.quiet_transformers()
     # TrainingArguments joins the process group (under torchrun), which fully_shard's mesh needs
-    args = tiny.training_args(
-        output_dir,
-        per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=2,
-        max_steps=3,
-        learning_rate=0.5,
-        **(arguments or {}),
-    )
+    settings: dict[str, Any] = {
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 3,
+        "learning_rate": 0.5,
+    }
+    settings.update(arguments or {})
+    args = tiny.training_args(output_dir, **settings)
     with torch.device(device):
         model = fsdp_run.llama(lora)
     if sharded == "layers":
@@ -124,8 +125,61 @@ def train(
     }
 
 
+# 4 AdamW steps with a linear learning-rate decay and noise, a checkpoint after each: what
+# a resumed run must restore is the weights, Adam's moments and step, the scheduler, the
+# ledger, the sampler and the noise keys
+CHECKPOINTED = {
+    "max_steps": 4,
+    "optim": "adamw_torch",
+    "learning_rate": 0.01,
+    "lr_scheduler_type": "linear",
+    "save_strategy": "steps",
+    "save_steps": 1,
+}
+NOISED = {"noise_multiplier": 1.0, "accountant": "pld"}
+
+
+def _outcome(trainer: Any) -> dict[str, Any]:
+    return {
+        "global_step": trainer.state.global_step,
+        "ledger": trainer.privacy.ledger.state_dict(),
+        "params": {n: full(p) for n, p in trainer.model.named_parameters() if p.requires_grad},
+        "steps_run": len(trainer.padding),
+        "learning_rates": [h["learning_rate"] for h in trainer.state.log_history if "loss" in h],
+    }
+
+
+def checkpointed(output_dir: str) -> dict[str, Any]:
+    """The uninterrupted sharded run of :data:`CHECKPOINTED`, which saves after every step."""
+    trainer = _trainer(output_dir, True, 2, {**CHECKPOINTED, "logging_steps": 1}, **NOISED)
+    trainer.train()
+    return _outcome(trainer)
+
+
+def resumed(output_dir: str, checkpoint: str) -> dict[str, Any]:
+    """The same run, a new model and DPTrainer resuming from ``checkpoint`` (call in fresh
+    processes: nothing of the saving run is left in memory)."""
+    trainer = _trainer(output_dir, True, 2, {**CHECKPOINTED, "logging_steps": 1}, **NOISED)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return _outcome(trainer)
+
+
+def full_weights(folder: str) -> dict[str, Any]:
+    """The weights a checkpoint folder's model.safetensors holds (gathered), float64."""
+    from safetensors.torch import load_file
+
+    return {n: t.double() for n, t in load_file(f"{folder}/model.safetensors").items()}
+
+
 REFUSED = {
-    "save_strategy": ({"save_strategy": "steps", "save_steps": 1}, {}),
+    "best_model": (
+        {
+            "save_strategy": "steps",
+            "eval_strategy": "steps",
+            "load_best_model_at_end": True,
+        },
+        {},
+    ),
     "secure_mode": ({}, {"secure_mode": True, "seed": None}),
     "group_by": ({}, {"group_by": "user_id"}),
     "resume": ({}, {}),
@@ -142,20 +196,21 @@ def refusal(output_dir: str, kind: str) -> str:
         sharded = "layers" if kind == "root" else True
         trainer = _trainer(output_dir, sharded, 2, arguments, device, **privacy)
         if kind == "resume":
-            trainer.train(resume_from_checkpoint=output_dir)
+            # a folder without dptrain_shards/ (as save_only_model=True leaves one)
+            os.makedirs(f"{output_dir}/checkpoint-1", exist_ok=True)
+            trainer.train(resume_from_checkpoint=f"{output_dir}/checkpoint-1")
     except Exception as exc:  # the test reads the message
         return f"{type(exc).__name__}: {exc}"
     return ""
 
 
-def scenarios(output_dir: str) -> tuple[dict, dict, dict]:
-    """One process group's runs: sigma ~ 0, sigma = 1 (then save_model), the refusals."""
+def scenarios(output_dir: str) -> tuple[dict, dict, dict, dict]:
+    """One process group's runs: sigma ~ 0, sigma = 1 (then save_model), the refusals, and
+    the checkpointed run (:func:`checkpointed`)."""
     quiet = train(f"{output_dir}/quiet", True, 2)
-    noised = train(
-        f"{output_dir}/noised", True, 2, save=True, noise_multiplier=1.0, accountant="pld"
-    )
+    noised = train(f"{output_dir}/noised", True, 2, save=True, **NOISED)
     refusals = {k: refusal(f"{output_dir}/{k}", k) for k in REFUSED}
-    return quiet, noised, refusals
+    return quiet, noised, refusals, checkpointed(f"{output_dir}/checkpointed")
 
 
 def lora_ghost(output_dir: str) -> dict:

@@ -3,7 +3,8 @@ can pickle it): the tied 2-layer Llama of tests/distributed/fsdp_run.py, sharded
 user with ``fully_shard`` per decoder layer and at the root before DPTrainer gets it.
 
 Also a script, for docs/hf.md: ``torchrun --nproc_per_node 2 -m tests.hf._fsdp_run OUT``
-(gloo on CPU).
+(gloo on CPU); ``OUT --checkpointed`` runs :func:`checkpointed`, ``OUT2 --resume
+OUT/checkpoint-2`` resumes it (:func:`resumed`); both print a digest of the parameters.
 """
 
 from __future__ import annotations
@@ -218,6 +219,26 @@ def lora_ghost(output_dir: str) -> dict:
     return train(output_dir, True, 2, lora=True, mode="ghost")
 
 
+def _digest(params: dict[str, Any]) -> str:
+    """A short digest of the parameters' bytes (float64 copies of the float32 values)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(params[name].float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 if __name__ == "__main__":
-    result = train(sys.argv[1], True, 2, save=True, noise_multiplier=1.0, accountant="pld")
-    print({k: v for k, v in result.items() if k not in ("params", "initial")})
+    if len(sys.argv) > 2 and sys.argv[2] in ("--checkpointed", "--resume"):
+        # the checkpointed run, or its resumption from the checkpoint given after --resume
+        if sys.argv[2] == "--checkpointed":
+            outcome = checkpointed(sys.argv[1])
+        else:
+            outcome = resumed(sys.argv[1], sys.argv[3])
+        shown = {k: v for k, v in outcome.items() if k not in ("params", "ledger")}
+        print({**shown, "params_sha256": _digest(outcome["params"])})
+    else:
+        result = train(sys.argv[1], True, 2, save=True, noise_multiplier=1.0, accountant="pld")
+        print({k: v for k, v in result.items() if k not in ("params", "initial")})

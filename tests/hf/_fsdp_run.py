@@ -150,19 +150,26 @@ def _outcome(trainer: Any) -> dict[str, Any]:
     }
 
 
-def checkpointed(output_dir: str) -> dict[str, Any]:
-    """The uninterrupted sharded run of :data:`CHECKPOINTED`, which saves after every step."""
-    trainer = _trainer(output_dir, True, 2, {**CHECKPOINTED, "logging_steps": 1}, **NOISED)
+def checkpointed(output_dir: str, lora: bool = False) -> dict[str, Any]:
+    """The uninterrupted sharded run of :data:`CHECKPOINTED`, which saves after every step
+    (``lora``: LoRA adapters, ghost clipping)."""
+    trainer = _checkpointed_trainer(output_dir, lora)
     trainer.train()
     return _outcome(trainer)
 
 
-def resumed(output_dir: str, checkpoint: str) -> dict[str, Any]:
+def resumed(output_dir: str, checkpoint: str, lora: bool = False) -> dict[str, Any]:
     """The same run, a new model and DPTrainer resuming from ``checkpoint`` (call in fresh
     processes: nothing of the saving run is left in memory)."""
-    trainer = _trainer(output_dir, True, 2, {**CHECKPOINTED, "logging_steps": 1}, **NOISED)
+    trainer = _checkpointed_trainer(output_dir, lora)
     trainer.train(resume_from_checkpoint=checkpoint)
     return _outcome(trainer)
+
+
+def _checkpointed_trainer(output_dir: str, lora: bool) -> Any:
+    arguments = {**CHECKPOINTED, "logging_steps": 1}
+    mode = {"mode": "ghost"} if lora else {}
+    return _trainer(output_dir, True, 2, arguments, lora=lora, **NOISED, **mode)
 
 
 def full_weights(folder: str) -> dict[str, Any]:

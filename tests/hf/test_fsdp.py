@@ -226,3 +226,20 @@ def test_lora_ghost_sharded_run_equals_one_process(tmp_path):
         assert rank["params"].keys() == one["params"].keys()
         for name, value in one["params"].items():
             torch.testing.assert_close(rank["params"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_lora_ghost_sharded_run_resumes_bit_for_bit(tmp_path):
+    # ~35 s on 2 loaded cores: two spawns of 2 processes (the run, then the resumption)
+    run = spawn(
+        _fsdp_run.checkpointed, 2, (str(tmp_path / "run"), True), timeout=120, join_timeout=900
+    )
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    args = (str(tmp_path / "resumed"), checkpoint, True)
+    again = spawn(_fsdp_run.resumed, 2, args, timeout=120, join_timeout=900)
+    for whole, resumed_rank in zip(run, again, strict=True):
+        assert all("lora_" in n for n in whole["params"])  # only the adapters train
+        assert resumed_rank["steps_run"] == 2 and resumed_rank["ledger"] == whole["ledger"]
+        assert resumed_rank["params"].keys() == whole["params"].keys()
+        for name, value in whole["params"].items():
+            assert torch.equal(resumed_rank["params"][name], value), name

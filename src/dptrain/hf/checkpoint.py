@@ -136,9 +136,9 @@ def load_shards(folder: str, private: PrivateTraining) -> None:
 
 def check_resumable(folder: str, sharded: bool) -> None:
     """Refuse, before anything is loaded, a checkpoint whose layout this run cannot resume:
-    a sharded run needs ``dptrain_shards/``, an unsharded one ``optimizer.pt``.
-
-    Without them the weights (a sharded run's) or the ledger (either) would not be restored.
+    a sharded run needs ``dptrain_shards/`` (without it neither its weights nor its ledger
+    would be restored), and an unsharded run cannot read one (no ``optimizer.pt``). An
+    unsharded checkpoint without ``optimizer.pt`` is refused by :func:`check_in_step`.
     """
     if not os.path.isdir(folder):
         raise PrivacyCheckpointError(

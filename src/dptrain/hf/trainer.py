@@ -886,13 +886,14 @@ class DPTrainer(Trainer):
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None):
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
         """Trainer's loading of the weights; a sharded model's come from ``dptrain_shards/``
         with the optimizer's (:meth:`_load_optimizer_and_scheduler`), each rank reading its
         shards: Trainer would load whole tensors into the sharded parameters."""
-        if self._sharded:
-            return None
-        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not self._sharded:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _check_resumed_state(self) -> None:
         """Before the first batch: the ledger, the optimizer and the sampler agree."""

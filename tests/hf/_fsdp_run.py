@@ -3,11 +3,13 @@ can pickle it): the tied 2-layer Llama of tests/distributed/fsdp_run.py, sharded
 user with ``fully_shard`` per decoder layer and at the root before DPTrainer gets it.
 
 Also a script, for docs/hf.md: ``torchrun --nproc_per_node 2 -m tests.hf._fsdp_run OUT``
-(gloo on CPU).
+(gloo on CPU); ``OUT --checkpointed`` runs :func:`checkpointed`, ``OUT2 --resume
+OUT/checkpoint-2`` resumes it (:func:`resumed`); both print a digest of the parameters.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -51,14 +53,14 @@ def _trainer(
 
     tiny.quiet_transformers()
     # TrainingArguments joins the process group (under torchrun), which fully_shard's mesh needs
-    args = tiny.training_args(
-        output_dir,
-        per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=2,
-        max_steps=3,
-        learning_rate=0.5,
-        **(arguments or {}),
-    )
+    settings: dict[str, Any] = {
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 3,
+        "learning_rate": 0.5,
+    }
+    settings.update(arguments or {})
+    args = tiny.training_args(output_dir, **settings)
     with torch.device(device):
         model = fsdp_run.llama(lora)
     if sharded == "layers":
@@ -124,8 +126,68 @@ def train(
     }
 
 
+# 4 AdamW steps with a linear learning-rate decay and noise, a checkpoint after each: what
+# a resumed run must restore is the weights, Adam's moments and step, the scheduler, the
+# ledger, the sampler and the noise keys
+CHECKPOINTED = {
+    "max_steps": 4,
+    "optim": "adamw_torch",
+    "learning_rate": 0.01,
+    "lr_scheduler_type": "linear",
+    "save_strategy": "steps",
+    "save_steps": 1,
+}
+NOISED = {"noise_multiplier": 1.0, "accountant": "pld"}
+
+
+def _outcome(trainer: Any) -> dict[str, Any]:
+    return {
+        "global_step": trainer.state.global_step,
+        "ledger": trainer.privacy.ledger.state_dict(),
+        "params": {n: full(p) for n, p in trainer.model.named_parameters() if p.requires_grad},
+        "steps_run": len(trainer.padding),
+        "learning_rates": [h["learning_rate"] for h in trainer.state.log_history if "loss" in h],
+    }
+
+
+def checkpointed(output_dir: str, lora: bool = False) -> dict[str, Any]:
+    """The uninterrupted sharded run of :data:`CHECKPOINTED`, which saves after every step
+    (``lora``: LoRA adapters, ghost clipping)."""
+    trainer = _checkpointed_trainer(output_dir, lora)
+    trainer.train()
+    return _outcome(trainer)
+
+
+def resumed(output_dir: str, checkpoint: str, lora: bool = False) -> dict[str, Any]:
+    """The same run, a new model and DPTrainer resuming from ``checkpoint`` (call in fresh
+    processes: nothing of the saving run is left in memory)."""
+    trainer = _checkpointed_trainer(output_dir, lora)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return _outcome(trainer)
+
+
+def _checkpointed_trainer(output_dir: str, lora: bool) -> Any:
+    arguments = {**CHECKPOINTED, "logging_steps": 1}
+    mode = {"mode": "ghost"} if lora else {}
+    return _trainer(output_dir, True, 2, arguments, lora=lora, **NOISED, **mode)
+
+
+def full_weights(folder: str) -> dict[str, Any]:
+    """The weights a checkpoint folder's model.safetensors holds (gathered), float64."""
+    from safetensors.torch import load_file
+
+    return {n: t.double() for n, t in load_file(f"{folder}/model.safetensors").items()}
+
+
 REFUSED = {
-    "save_strategy": ({"save_strategy": "steps", "save_steps": 1}, {}),
+    "best_model": (
+        {
+            "save_strategy": "steps",
+            "eval_strategy": "steps",
+            "load_best_model_at_end": True,
+        },
+        {},
+    ),
     "secure_mode": ({}, {"secure_mode": True, "seed": None}),
     "group_by": ({}, {"group_by": "user_id"}),
     "resume": ({}, {}),
@@ -142,20 +204,21 @@ def refusal(output_dir: str, kind: str) -> str:
         sharded = "layers" if kind == "root" else True
         trainer = _trainer(output_dir, sharded, 2, arguments, device, **privacy)
         if kind == "resume":
-            trainer.train(resume_from_checkpoint=output_dir)
+            # a folder without dptrain_shards/ (as save_only_model=True leaves one)
+            os.makedirs(f"{output_dir}/checkpoint-1", exist_ok=True)
+            trainer.train(resume_from_checkpoint=f"{output_dir}/checkpoint-1")
     except Exception as exc:  # the test reads the message
         return f"{type(exc).__name__}: {exc}"
     return ""
 
 
-def scenarios(output_dir: str) -> tuple[dict, dict, dict]:
-    """One process group's runs: sigma ~ 0, sigma = 1 (then save_model), the refusals."""
+def scenarios(output_dir: str) -> tuple[dict, dict, dict, dict]:
+    """One process group's runs: sigma ~ 0, sigma = 1 (then save_model), the refusals, and
+    the checkpointed run (:func:`checkpointed`)."""
     quiet = train(f"{output_dir}/quiet", True, 2)
-    noised = train(
-        f"{output_dir}/noised", True, 2, save=True, noise_multiplier=1.0, accountant="pld"
-    )
+    noised = train(f"{output_dir}/noised", True, 2, save=True, **NOISED)
     refusals = {k: refusal(f"{output_dir}/{k}", k) for k in REFUSED}
-    return quiet, noised, refusals
+    return quiet, noised, refusals, checkpointed(f"{output_dir}/checkpointed")
 
 
 def lora_ghost(output_dir: str) -> dict:
@@ -163,6 +226,26 @@ def lora_ghost(output_dir: str) -> dict:
     return train(output_dir, True, 2, lora=True, mode="ghost")
 
 
+def _digest(params: dict[str, Any]) -> str:
+    """A short digest of the parameters' bytes (float64 copies of the float32 values)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(params[name].float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 if __name__ == "__main__":
-    result = train(sys.argv[1], True, 2, save=True, noise_multiplier=1.0, accountant="pld")
-    print({k: v for k, v in result.items() if k not in ("params", "initial")})
+    if len(sys.argv) > 2 and sys.argv[2] in ("--checkpointed", "--resume"):
+        # the checkpointed run, or its resumption from the checkpoint given after --resume
+        if sys.argv[2] == "--checkpointed":
+            outcome = checkpointed(sys.argv[1])
+        else:
+            outcome = resumed(sys.argv[1], sys.argv[3])
+        shown = {k: v for k, v in outcome.items() if k not in ("params", "ledger")}
+        print({**shown, "params_sha256": _digest(outcome["params"])})
+    else:
+        result = train(sys.argv[1], True, 2, save=True, noise_multiplier=1.0, accountant="pld")
+        print({k: v for k, v in result.items() if k not in ("params", "initial")})

@@ -2,8 +2,9 @@
 
 One spawn runs every scenario of :mod:`tests.hf._fsdp_run` (a tied 2-layer Llama from a
 config, sharded per decoder layer and at the root); the reference is DPTrainer in one
-process, unsharded, with the same seed and expected batch. Every comparison is of
-whole (gathered) parameters.
+process, unsharded, with the same seed and expected batch. A second spawn, of fresh
+processes, resumes the checkpointed run from its step-2 checkpoint. Every comparison is
+of whole (gathered) parameters.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ pytest.importorskip("transformers")
 
 from dptrain.distributed import spawn
 from dptrain.hf import DPTrainer, PrivacyArguments
-from dptrain.hf.errors import UnsupportedTrainingArgumentsError
+from dptrain.hf.errors import PrivacyCheckpointError, UnsupportedTrainingArgumentsError
 from tests.hf import _fsdp_run, tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -39,7 +40,7 @@ def test_sharded_run_equals_one_process(runs):
     assert one["world_size"] == 1 and one["optimizer"] == "DPOptimizer"
     moved = max(float((one["params"][n] - one["initial"][n]).abs().max()) for n in one["params"])
     assert moved > 1e-3  # the steps did move the weights: the comparison below means something
-    for quiet, _, _ in ranks:
+    for quiet, *_ in ranks:
         assert quiet["world_size"] == 2 and quiet["global_step"] == 3
         assert quiet["optimizer"] == "ShardedDPOptimizer"
         assert quiet["ledger"] == one["ledger"]
@@ -59,7 +60,7 @@ def test_sharded_run_equals_one_process(runs):
 
 def test_every_rank_runs_the_same_chunks(runs):
     ranks, _, _ = runs
-    pads = [quiet["padding"] for quiet, _, _ in ranks]
+    pads = [quiet["padding"] for quiet, *_ in ranks]
     assert [len(p) for p in pads[0]] == [len(p) for p in pads[1]]  # chunks per step
     # a rank with the smaller share pads its last chunk (rows of weight 0): exercised here
     assert any(sum(step) for p in pads for step in p)
@@ -67,7 +68,7 @@ def test_every_rank_runs_the_same_chunks(runs):
 
 def test_noise_is_added_once_and_agrees_across_ranks(runs):
     ranks, _, _ = runs
-    (quiet, noised0, _), (_, noised1, _) = ranks
+    (quiet, noised0, *_), (_, noised1, *_) = ranks
     for name, value in noised0["params"].items():
         torch.testing.assert_close(noised1["params"][name], value, rtol=0, atol=0, msg=name)
     assert noised0["ledger"]["segments"] == [
@@ -98,11 +99,93 @@ def test_save_model_writes_the_gathered_weights_and_privacy_json(runs):
     assert report["ledger"] == noised["ledger"]
 
 
+@pytest.fixture(scope="module")
+def resumed(runs):
+    """Fresh processes resume the checkpointed run from its step-2 checkpoint (~25 s)."""
+    folder = runs[2]
+    checkpoint = str(folder / "checkpointed" / "checkpoint-2")
+    args = (str(folder / "resumed"), checkpoint)
+    return spawn(_fsdp_run.resumed, 2, args, timeout=120, join_timeout=900)
+
+
+def test_checkpoints_of_a_sharded_run_hold_shards_not_a_rank_0_optimizer(runs):
+    folder = runs[2] / "checkpointed"
+    for step in (1, 2, 3, 4):
+        checkpoint = folder / f"checkpoint-{step}"
+        # optimizer.pt would hold rank 0's shards only (torch.save on the writing rank)
+        assert not (checkpoint / "optimizer.pt").exists()
+        shards = checkpoint / "dptrain_shards"
+        pointer = json.loads((shards / "latest.json").read_text())
+        assert pointer["step"] == step and pointer["world_size"] == 2
+        state = shards / pointer["state"]
+        # each rank wrote its own shards of the model and of Adam's moments
+        assert sorted(p.name for p in state.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        for name in ("model.safetensors", "scheduler.pt", "dptrain_state.json", "privacy.json"):
+            assert (checkpoint / name).is_file(), name
+        assert {p.name for p in checkpoint.glob("rng_state_*.pth")} == {
+            "rng_state_0.pth",
+            "rng_state_1.pth",
+        }
+        saved = json.loads((checkpoint / "dptrain_state.json").read_text())
+        assert saved["steps_taken"] == step
+        assert saved["ledger"]["segments"] == [
+            {"sample_rate": 0.2, "noise_multiplier": 1.0, "count": step}
+        ]
+
+
+def test_resumed_sharded_run_equals_the_uninterrupted_run_bit_for_bit(runs, resumed):
+    whole = [rank[3] for rank in runs[0]]
+    for run, again in zip(whole, resumed, strict=True):
+        assert run["global_step"] == again["global_step"] == 4
+        assert run["steps_run"] == 4 and again["steps_run"] == 2  # it did resume at step 2
+        assert again["ledger"] == run["ledger"]
+        assert again["ledger"]["segments"] == [
+            {"sample_rate": 0.2, "noise_multiplier": 1.0, "count": 4}
+        ]
+        # the linear decay continued where it stopped (the scheduler was restored); the
+        # first two records are the checkpoint's log history, the last two the resumed run's
+        assert run["learning_rates"] == [0.01, 0.0075, 0.005, 0.0025]
+        assert again["learning_rates"] == run["learning_rates"]
+        assert again["params"].keys() == run["params"].keys()
+        for name, value in run["params"].items():
+            # Adam's moments and step, the noise keys, the batches, the weights: all restored
+            assert torch.equal(again["params"][name], value), name
+    # the steps after the checkpoint moved the weights (a resume that loaded the final
+    # weights, or no step at all, would not be told apart otherwise)
+    before = _fsdp_run.full_weights(str(runs[2] / "checkpointed" / "checkpoint-2"))
+    assert any(not torch.equal(before[n], v) for n, v in whole[0]["params"].items())
+
+
+def test_an_unsharded_run_refuses_a_sharded_checkpoint(runs, tmp_path):
+    checkpoint = runs[2] / "checkpointed" / "checkpoint-2"
+    trainer = _fsdp_run._trainer(str(tmp_path), False, 4, dict(_fsdp_run.CHECKPOINTED))
+    with pytest.raises(PrivacyCheckpointError) as err:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    message = str(err.value)
+    assert "FSDP2-sharded" in message and "dptrain consolidate" in message
+    assert trainer.state.global_step == 0
+
+
+def test_a_sharded_checkpoint_consolidates_to_its_gathered_weights(runs, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from dptrain.checkpoint import consolidate_checkpoint
+
+    checkpoint = runs[2] / "checkpointed" / "checkpoint-2"
+    consolidate_checkpoint(checkpoint / "dptrain_shards", tmp_path / "out")
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    saved = _fsdp_run.full_weights(str(checkpoint))
+    for name, p in merged.named_parameters():
+        assert torch.equal(p.detach().double(), saved[name]), name
+    report = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert [s["count"] for s in report["ledger"]["segments"]] == [2]
+
+
 @pytest.mark.parametrize(
     ("kind", "words"),
     [
-        ("save_strategy", ["save_strategy='steps'", "FSDP2-sharded", "save_strategy='no'"]),
-        ("resume", ["resume_from_checkpoint=", "FSDP2-sharded"]),
+        ("best_model", ["load_best_model_at_end=True", "FSDP2-sharded", "from_pretrained"]),
+        ("resume", ["PrivacyCheckpointError", "checkpoint-1", "no dptrain_shards/"]),
         ("secure_mode", ["secure_mode=True", "FSDP2-sharded"]),
         ("group_by", ["group_by='user_id'", "FSDP2-sharded"]),
         ("device", ["sharded on meta", "train on cpu", "init_device_mesh('cpu'"]),
@@ -143,3 +226,20 @@ def test_lora_ghost_sharded_run_equals_one_process(tmp_path):
         assert rank["params"].keys() == one["params"].keys()
         for name, value in one["params"].items():
             torch.testing.assert_close(rank["params"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_lora_ghost_sharded_run_resumes_bit_for_bit(tmp_path):
+    # ~35 s on 2 loaded cores: two spawns of 2 processes (the run, then the resumption)
+    run = spawn(
+        _fsdp_run.checkpointed, 2, (str(tmp_path / "run"), True), timeout=120, join_timeout=900
+    )
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    args = (str(tmp_path / "resumed"), checkpoint, True)
+    again = spawn(_fsdp_run.resumed, 2, args, timeout=120, join_timeout=900)
+    for whole, resumed_rank in zip(run, again, strict=True):
+        assert all("lora_" in n for n in whole["params"])  # only the adapters train
+        assert resumed_rank["steps_run"] == 2 and resumed_rank["ledger"] == whole["ledger"]
+        assert resumed_rank["params"].keys() == whole["params"].keys()
+        for name, value in whole["params"].items():
+            assert torch.equal(resumed_rank["params"][name], value), name

@@ -12,6 +12,15 @@ On resume the plan must be the one the checkpoint was saved under, and before
 the first batch the sampler, the optimizer and the ledger must stand at the same
 step (:func:`check_in_step`): a checkpoint whose ``optimizer.pt`` was not loaded
 (``save_only_model=True``) would otherwise restart the ledger at 0.
+
+A run on an FSDP2-sharded model has no ``optimizer.pt``: each rank holds a shard of
+the weights and of the wrapped optimizer's state, which ``torch.save`` on the
+writing rank would not see. Its checkpoint folder holds instead ``dptrain_shards/``,
+a sharded checkpoint of :func:`dptrain.checkpoint.save_checkpoint` (every rank its
+shards of the model and the optimizer through ``torch.distributed.checkpoint``,
+rank 0 the DP optimizer's ledger, steps and seed, the sampler and the RNG states),
+written and read by :func:`save_shards` / :func:`load_shards` on every rank.
+``dptrain consolidate <checkpoint>/dptrain_shards`` turns it into a plain folder too.
 """
 
 from __future__ import annotations
@@ -21,14 +30,30 @@ import os
 from typing import Any
 
 from dptrain._atomic import write_json_atomically
+from dptrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from dptrain.distributed import DistributedConfigError
+from dptrain.distributed.sharded_checkpoint import is_sharded_checkpoint
 from dptrain.hf.errors import PrivacyCheckpointError
 from dptrain.hf.plan import PrivacyPlan
 from dptrain.privacy_engine import PrivateTraining
 
-__all__ = ["STATE_FILE", "check_in_step", "restore_sampler", "save_state"]
+__all__ = [
+    "SHARDS_DIR",
+    "STATE_FILE",
+    "check_in_step",
+    "check_resumable",
+    "load_shards",
+    "restore_sampler",
+    "save_shards",
+    "save_state",
+]
 
 #: The DP state DPTrainer adds to each Trainer checkpoint folder.
 STATE_FILE = "dptrain_state.json"
+#: A sharded run's model, optimizer and DP state (a dptrain sharded checkpoint directory).
+SHARDS_DIR = "dptrain_shards"
+# What Trainer writes the (unsharded) optimizer state to.
+_OPTIMIZER_FILE = "optimizer.pt"
 _STATE_VERSION = 1
 
 
@@ -92,3 +117,52 @@ def check_in_step(private: PrivateTraining, resumed_steps: int | None) -> None:
         f"the ledger holds {ledger}: they must agree{hint}; resuming otherwise would lose "
         "steps from the ledger"
     )
+
+
+def save_shards(folder: str, private: PrivateTraining) -> None:
+    """A sharded run's model, optimizer and DP state into ``folder/dptrain_shards``; call on
+    every rank (:func:`dptrain.checkpoint.save_checkpoint`'s sharded layout)."""
+    save_checkpoint(os.path.join(folder, SHARDS_DIR), private)
+
+
+def load_shards(folder: str, private: PrivateTraining) -> None:
+    """Restore :func:`save_shards` into ``private`` (each rank its shards of the model and the
+    optimizer, the ledger, steps, sampler and RNG states); call on every rank."""
+    try:
+        load_checkpoint(os.path.join(folder, SHARDS_DIR), private)
+    except (CheckpointError, DistributedConfigError) as exc:
+        raise PrivacyCheckpointError(f"checkpoint {folder!r}: {exc}") from exc
+
+
+def check_resumable(folder: str, sharded: bool) -> None:
+    """Refuse, before anything is loaded, a checkpoint whose layout this run cannot resume:
+    a sharded run needs ``dptrain_shards/`` (without it neither its weights nor its ledger
+    would be restored), and an unsharded run cannot read one (no ``optimizer.pt``). An
+    unsharded checkpoint without ``optimizer.pt`` is refused by :func:`check_in_step`.
+    """
+    if not os.path.isdir(folder):
+        raise PrivacyCheckpointError(
+            f"resume_from_checkpoint={folder!r} is not a directory: no checkpoint to resume"
+        )
+    shards = is_sharded_checkpoint(os.path.join(folder, SHARDS_DIR))
+    optimizer = os.path.isfile(os.path.join(folder, _OPTIMIZER_FILE))
+    if sharded and not shards:
+        why = (
+            "it was saved by an unsharded run (its optimizer.pt holds whole tensors); resume "
+            "it unsharded, or start the sharded run from its weights with from_pretrained"
+            if optimizer
+            else "it was saved with save_only_model=True, or its saving was interrupted; "
+            "resume from an earlier checkpoint"
+        )
+        raise PrivacyCheckpointError(
+            f"checkpoint {folder!r} has no {SHARDS_DIR}/, which a run on an FSDP2-sharded "
+            f"model resumes its weights, optimizer state and ledger from: {why}"
+        )
+    if not sharded and shards:
+        raise PrivacyCheckpointError(
+            f"checkpoint {folder!r} was saved by a run on an FSDP2-sharded model (its "
+            f"optimizer state and ledger are in {SHARDS_DIR}/), and this run's model is not "
+            "sharded: resume it with the model sharded the same way (fully_shard), or "
+            f"consolidate it (dptrain consolidate {os.path.join(folder, SHARDS_DIR)}) to "
+            "start an unsharded run from its weights"
+        )

@@ -50,7 +50,13 @@ How it sits in Trainer's loop (read against transformers 5.23), and why
   "sharded at load time": no DDP wrapper (its construction would broadcast rank 0's
   shards over the others'), no move; ``save_model`` gathers the shards. accelerate's
   own FSDP plugin is refused (it shards after ``create_optimizer``, where the clipping
-  is built), and so are checkpoints of a sharded run (docs/hf.md, FSDP2).
+  is built; docs/hf.md, FSDP2). A checkpoint of a sharded run has no ``optimizer.pt``
+  (``torch.save`` on the writing rank would keep only its shards of the optimizer
+  state): every rank writes its shards of the model and the optimizer, with the DP
+  state, to ``dptrain_shards/`` through ``torch.distributed.checkpoint``
+  (:func:`~dptrain.hf.checkpoint.save_shards`); resuming reads the weights from there
+  too, each rank its shards, rather than loading the gathered ``model.safetensors``
+  into sharded parameters. ``load_best_model_at_end`` is refused for the same reason.
 
 The TrainingArguments the Trainer runs with are a copy of the given ones with
 ``gradient_accumulation_steps=1``, ``max_grad_norm=0``, ``max_steps`` = the planned
@@ -69,6 +75,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dptrain import make_private
@@ -78,7 +85,14 @@ from dptrain.distributed import make_private_distributed
 from dptrain.distributed.fsdp import FSDPSharding, is_fsdp2, refuse_fsdp1
 from dptrain.distributed.sharded_sums import ShardedGradStore
 from dptrain.hf.arguments import PrivacyArguments
-from dptrain.hf.checkpoint import check_in_step, restore_sampler, save_state
+from dptrain.hf.checkpoint import (
+    check_in_step,
+    check_resumable,
+    load_shards,
+    restore_sampler,
+    save_shards,
+    save_state,
+)
 from dptrain.hf.data import (
     DropColumns,
     PoissonStep,
@@ -307,13 +321,14 @@ def _check_sharded_model(
             f"{args.device.type!r}, (world_size,)) and the model on {args.device}), or set "
             "use_cpu to match"
         )
-    save = str(getattr(args.save_strategy, "value", args.save_strategy))
-    if save != "no":
+    if args.load_best_model_at_end:
+        # Trainer would load the best checkpoint's whole tensors into the sharded
+        # parameters with load_state_dict, which FSDP2's DTensors do not take.
         raise UnsupportedTrainingArgumentsError(
-            f"save_strategy={save!r} is not allowed with an FSDP2-sharded model: DPTrainer "
-            "does not write resumable checkpoints of a sharded run yet (each rank holds a "
-            "shard of the weights and of the optimizer state); set save_strategy='no'. "
-            "trainer.save_model() after train() writes the gathered model with privacy.json"
+            "load_best_model_at_end=True is not allowed with an FSDP2-sharded model: Trainer "
+            "loads the best checkpoint's whole weights into the model, which does not fit "
+            "sharded parameters; leave it False and load the chosen checkpoint's folder with "
+            "from_pretrained (every checkpoint holds the gathered weights)"
         )
     if privacy_args.group_by is not None:
         raise UnsupportedTrainingArgumentsError(
@@ -780,18 +795,14 @@ class DPTrainer(Trainer):
             )
         if resume_from_checkpoint is False:
             resume_from_checkpoint = None
-        if resume_from_checkpoint is not None and self._sharded:
-            raise UnsupportedTrainingArgumentsError(
-                f"resume_from_checkpoint={resume_from_checkpoint!r} is not allowed with an "
-                "FSDP2-sharded model: DPTrainer does not write resumable checkpoints of a "
-                "sharded run yet"
-            )
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise PrivacyCheckpointError(
                     f"resume_from_checkpoint=True: no checkpoint in {self.args.output_dir!r}"
                 )
+        if resume_from_checkpoint is not None:
+            check_resumable(str(resume_from_checkpoint), self._sharded)
         if self.privacy is not None:
             if resume_from_checkpoint is None:
                 raise DPTrainerError(
@@ -850,6 +861,39 @@ class DPTrainer(Trainer):
             self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         )
         save_state(folder, self.privacy_plan, self.privacy)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Trainer's ``optimizer.pt`` and ``scheduler.pt``; a sharded run writes
+        ``dptrain_shards/`` instead of ``optimizer.pt`` (every rank its shards, module
+        docstring), since ``torch.save`` on the writing rank would keep its shards only."""
+        if not self._sharded:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        assert self.privacy is not None
+        save_shards(output_dir, self.privacy)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Trainer's loading; a sharded run restores its weights, optimizer state and DP state
+        from the checkpoint's ``dptrain_shards/`` (every rank its shards) instead."""
+        if not self._sharded or checkpoint is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        assert self.privacy is not None
+        load_shards(checkpoint, self.privacy)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
+        """Trainer's loading of the weights; a sharded model's come from ``dptrain_shards/``
+        with the optimizer's (:meth:`_load_optimizer_and_scheduler`), each rank reading its
+        shards: Trainer would load whole tensors into the sharded parameters."""
+        if not self._sharded:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _check_resumed_state(self) -> None:
         """Before the first batch: the ledger, the optimizer and the sampler agree."""

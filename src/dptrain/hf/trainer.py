@@ -333,9 +333,9 @@ def _check_sharded_model(
     if privacy_args.group_by is not None:
         raise UnsupportedTrainingArgumentsError(
             f"PrivacyArguments.group_by={privacy_args.group_by!r} is not allowed with an "
-            "FSDP2-sharded model: user-level DP under FSDP is not supported (every rank must "
-            "run the same chunks, and users are packed whole per rank); train the model "
-            "unsharded (one process or DDP) or drop group_by"
+            "FSDP2-sharded model: DPTrainer does not run user-level DP on a sharded model "
+            "yet (make_private_distributed does, with user_ids=); train the model unsharded "
+            "(one process or DDP) or drop group_by"
         )
     if privacy_args.secure_mode:
         raise PrivacyArgumentsError(

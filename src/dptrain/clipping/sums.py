@@ -139,17 +139,15 @@ class NormsAndSums:
         """Squared norms of the per-example gradients formed so far: those in the streamed
         modules' buffer from one split of it (streaming.Slots), any others one by one."""
         slots = getattr(self.per_example, "slots", None)
-        from_buffer = slots.squared_norms() if slots is not None else {}
+        if slots is None:
+            return {u: _squared_norms(grads) for u, grads in self.per_example.items()}
+        from_buffer = slots.squared_norms()
         out = {}
         for u, grads in self.per_example.items():
-            out[u] = (
-                {
-                    k: from_buffer[(u, k)] if slots.holds(u, k, v) else _squared_norms({k: v})[k]
-                    for k, v in grads.items()
-                }
-                if slots is not None
-                else _squared_norms(grads)
-            )
+            out[u] = {}
+            for k, v in grads.items():
+                held = slots.holds(u, k, v)  # else replaced out of place (a checked chunk)
+                out[u][k] = from_buffer[(u, k)] if held else _squared_norms({k: v})[k]
         return out
 
     def _module_norms_sq(self, use: Use, a: Tensor, g: Tensor, keep: bool) -> dict[str, Tensor]:

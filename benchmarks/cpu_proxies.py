@@ -24,6 +24,7 @@ separately, of the first step. A hand-written dispatch counter, because
 
     python benchmarks/cpu_proxies.py            # the table (about 2 minutes on 2 cores)
     python benchmarks/cpu_proxies.py --b 4 --t 128
+    python benchmarks/cpu_proxies.py --by-kind 12   # and which op kinds the engine adds
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ class _Count(TorchDispatchMode):
         super().__init__()
         self.ops = 0
         self.flops: Counter = Counter()
+        self.kinds: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.ops += 1
         name = func.overloadpacket.__name__
+        self.kinds[name] += 1
         out = func(*args, **kwargs)
         if name in _GEMMS:
             a = args[1] if name in ("addmm", "baddbmm") else args[0]
@@ -139,6 +142,7 @@ def _counts(method: str, lora: bool, b: int, t: int) -> dict:
                 "gemm_flops": on_cuda,
                 "float32_share": f32 / total if total else 0.0,
                 "float32_share_cuda": (f32 + extra - emulated) / on_cuda if on_cuda else 0.0,
+                "kinds": dict(counter.kinds),
             }
     return out
 
@@ -161,12 +165,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--b", type=int, default=8)
     parser.add_argument("--t", type=int, default=256)
+    parser.add_argument(
+        "--by-kind",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list the N aten op kinds the private steady step adds most (as run here)",
+    )
     parser.add_argument("--peak", nargs=2, metavar=("METHOD", "LORA"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peak:
         _peak_child(args.peak[0], args.peak[1] == "1", args.b, args.t)
         return
     torch.set_num_threads(2)
+    kinds = []
     print(f"tied Llama (h 256, 4 layers, vocab 8192), B {args.b}, T {args.t}, bf16 autocast")
     print(
         "| workload | method | float32 share of GEMM FLOPs, here / on CUDA (steady) "
@@ -213,6 +225,13 @@ def main(argv: list[str] | None = None) -> None:
             )
             name = "LoRA r16" if lora else "full"
             print(f"| {name} | {method} | {share} | {ops} | {flops} | {mem} |")
+        if args.by_kind:
+            mine, plain = rows["dptrain-bk"]["steady"]["kinds"], base["steady"]["kinds"]
+            added = Counter({k: mine.get(k, 0) - plain.get(k, 0) for k in {*mine, *plain}})
+            top = ", ".join(f"{k} +{n}" for k, n in added.most_common(args.by_kind))
+            kinds.append(f"{'LoRA r16' if lora else 'full'}: {top}")
+    for line in kinds:
+        print(f"aten ops the private steady step adds (here), {line}")
 
 
 if __name__ == "__main__":

@@ -136,3 +136,53 @@ def test_linear_long_sequences_use_blocked_gram(tokens, mode):
     layer = nn.Linear(5, 4)
     x = torch.randn(3, tokens, 5)
     run(layer, x, 4, True, mode, "ghost", torch.float64)
+
+
+def _gram_inner_reference(x, y):
+    x, y = x.double(), y.double()
+    return ((x @ x.transpose(1, 2)) * (y @ y.transpose(1, 2))).sum((1, 2))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "short",  # below the blocked size: one Gram matrix
+        "even",  # both diagonal blocks from one batched product on the (2B, T/2, d) view
+        "odd",  # halves of different lengths: three products
+        "strided",  # (B, T, d) that is no (2B, T/2, d) view: three products
+        "bf16",  # float32 products of bf16 records (tensor_cores.py)
+    ],
+)
+def test_ghost_norm_gram_blocks_give_the_whole_gram_inner_product(layout):
+    from dptrain.clipping.rules import gram_cache, gram_inner
+
+    gen = torch.Generator().manual_seed(0)
+    t = {"short": 10, "odd": 71}.get(layout, 64)
+    x = torch.randn(3, t, 5, generator=gen)
+    y = torch.randn(3, t, 4, generator=gen)
+    if layout == "strided":  # every other example of a larger batch
+        x = torch.randn(6, t, 5, generator=gen)[::2]
+        assert x.stride(0) != t * x.stride(1)
+    if layout == "bf16":
+        x, y = x.bfloat16(), y.bfloat16()
+    want = _gram_inner_reference(x, y)
+    tol = 1e-5 if layout == "bf16" else 1e-6
+    torch.testing.assert_close(gram_inner(x, y).double(), want, rtol=tol, atol=0)
+    with gram_cache():  # the cached blocks of x are the same blocks
+        gram_inner(x, y)
+        torch.testing.assert_close(gram_inner(x, y).double(), want, rtol=tol, atol=0)
+
+
+def test_weighted_sum_is_sum_of_scaled_per_example_gradients_including_empty_batches():
+    from dptrain.clipping.rules import weighted_sum
+
+    gen = torch.Generator().manual_seed(0)
+    grads = {"w": torch.randn(4, 3, 2, generator=gen), "b": torch.randn(4, generator=gen)}
+    c = torch.rand(4, generator=gen)
+    got = weighted_sum(grads, c)
+    for k, v in grads.items():
+        want = (v.double() * c.double().view(-1, *[1] * (v.dim() - 1))).sum(0)
+        assert got[k].shape == v.shape[1:]
+        torch.testing.assert_close(got[k].double(), want, rtol=1e-6, atol=1e-7)
+    empty = weighted_sum({"w": torch.zeros(0, 3, 0)}, torch.zeros(0))["w"]
+    assert empty.shape == (3, 0)

@@ -277,3 +277,35 @@ def test_one_unit_of_streamed_lora_moves_the_clipped_sum_by_at_most_c(mode):
             case.model, losses, unit, max_grad_norm=0.1, mode=mode, slack=slack, units=UNITS
         )
         assert outcome == PRIVATE
+
+
+def test_streamed_buffer_gives_each_parameters_weighted_sum_and_norms():
+    """Slots: one (b, total) buffer; its weighted sums (one product) and squared norms
+    are each streamed parameter's own, and a slot replaced out of place is not read."""
+    from dptrain.clipping.records import Use
+    from dptrain.clipping.rules import LinearRule, NormLayerRule
+    from dptrain.clipping.streaming import Slots
+
+    b = 5
+    lin, norm = nn.Linear(3, 4), nn.LayerNorm(4)
+    uses = [Use("lin", lin, LinearRule()), Use("norm", norm, NormLayerRule())]
+    slots = Slots(uses, b)
+    gen = torch.Generator().manual_seed(0)
+    grads = {
+        uses[0]: {"weight": torch.randn(b, 4, 3, generator=gen), "bias": torch.randn(b, 4)},
+        uses[1]: {"weight": torch.randn(b, 4, generator=gen), "bias": torch.randn(b, 4)},
+    }
+    held = {u: slots.hold(u, g) for u, g in grads.items()}
+    for u, g in grads.items():
+        for k, v in g.items():
+            assert slots.holds(u, k, held[u][k]) and torch.equal(held[u][k], v)
+    c = torch.rand(b, generator=gen)
+    sums, norms = slots.weighted_sums(c), slots.squared_norms()
+    for u, g in grads.items():
+        for k, v in g.items():
+            want = torch.einsum("b,b...->...", c.double(), v.double())
+            torch.testing.assert_close(sums[(u, k)].double(), want, rtol=1e-6, atol=1e-7)
+            want_sq = v.double().flatten(1).pow(2).sum(1)
+            torch.testing.assert_close(norms[(u, k)].double(), want_sq, rtol=1e-6, atol=0)
+    # a checked chunk replaces a module's gradients out of place: no longer the slot's
+    assert not slots.holds(uses[0], "weight", held[uses[0]]["weight"] + 1)

@@ -151,3 +151,19 @@ def test_a_torch_without_float32_output_gemms_falls_back_to_float32(monkeypatch)
     got = tc.bmm_f32(x, x.transpose(1, 2))
     assert got.dtype == torch.float32 and not tc._OUT_DTYPE["ok"]
     assert torch.allclose(got.double(), torch.bmm(x.double(), x.double().transpose(1, 2)))
+
+
+def test_clipped_sum_reads_the_factors_as_they_are_now():
+    """The factors' rounding is kept between the layers of a step (one rounding a step),
+    but factors changed in place, or new factors, are rounded again."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 5, generator=gen).bfloat16()
+    c = torch.rand(4, generator=gen)
+    (first,) = scaled_split(x, c)
+    c.mul_(0.5)
+    (second,) = scaled_split(x, c)
+    want = x.double() * round_down_bf16(c).double()[:, None, None]
+    assert torch.equal(second.double(), want)
+    assert torch.equal(second.double(), first.double() * 0.5)  # halving is exact
+    (two_d,) = scaled_split(x[:, 0], c)  # another shape: factors broadcast to it
+    assert torch.equal(two_d.double(), want[:, 0])

@@ -99,7 +99,8 @@ def example_rows(use: Use, a: Tensor, g: Tensor, b: int) -> tuple[Tensor, Tensor
     if a.shape[0] != b:  # blocks: (b * k, ...) rows, example-major
         a = a.reshape(b, -1, *a.shape[1:])
     a = use.rule.prepare(use.module, a)
-    g = g.reshape(b, a.shape[1], -1)
+    if g.dim() != 3 or g.shape[:2] != (b, a.shape[1]):  # (a reshape to itself is an op too)
+        g = g.reshape(b, a.shape[1], -1)
     if 0 in g.stride() and g.numel() > 1:
         # a broadcast gradient (the backward of a sum over tokens): matrix products on
         # stride-0 operands run about 50x slower on CPU than on the materialised copy
@@ -228,7 +229,8 @@ class AutocastCopies:
         key = (id(a), a._version)
         held = self._copies.get(key)
         if held is None:  # the input is held too: its id cannot be reused meanwhile
-            held = self._copies[key] = (a, a.detach().to(torch.get_autocast_dtype(kind)))
+            with torch.no_grad():  # a copy without a graph (no detach op after it)
+                held = self._copies[key] = (a, a.to(torch.get_autocast_dtype(kind)))
         return held[1]
 
     def clear(self) -> None:

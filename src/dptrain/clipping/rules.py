@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -112,12 +113,20 @@ class LayerRule(abc.ABC):
 
 def weighted_sum(per_example: dict[str, Tensor], factors: Tensor) -> dict[str, Tensor]:
     """{name: sum_i factors[i] * grad_i} from per-example gradients {name: (B, *shape)}."""
-    return {k: torch.einsum("b,b...->...", factors.to(v.dtype), v) for k, v in per_example.items()}
+    # A matrix-vector product: einsum dispatches about 12 aten ops per tensor for the same
+    # sum (permutes, views, a bmm), and the engine forms one per parameter every step.
+    return {
+        k: torch.mv(v.reshape(v.shape[0], math.prod(v.shape[1:])).T, factors.to(v.dtype)).view(
+            v.shape[1:]
+        )
+        for k, v in per_example.items()
+    }
 
 
 def _flatten_tokens(t: Tensor) -> Tensor:
     """(B, ..., d) -> (B, T, d)."""
-    return t.reshape(t.shape[0], -1, t.shape[-1])
+    # (a reshape to its own shape still dispatches a view: skipped, as for every record)
+    return t if t.dim() == 3 else t.reshape(t.shape[0], -1, t.shape[-1])
 
 
 # From this many tokens on, the symmetric Gram matrices are formed in 2 x 2 blocks,
@@ -135,25 +144,45 @@ def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
     """
     if x.shape[1] == 1:  # ||x||^2 ||y||^2, no T x T matrices
         return upcast(x).pow(2).sum((1, 2)) * upcast(y).pow(2).sum((1, 2))
-    total = 0
-    for (weight, gx), (_, gy) in zip(_gram_blocks_cached(x), _gram_blocks(y), strict=True):
-        total = total + weight * (gx * gy).sum((1, 2))
+    # x's blocks and y's must be the same blocks: both halves in one product only where
+    # both allow it
+    joint = _halves_view(x) and _halves_view(y)
+    total = None
+    blocks = zip(_gram_blocks_cached(x, joint), _gram_blocks(y, joint), strict=True)
+    for (weight, gx), (_, gy) in blocks:
+        part = (gx * gy).sum((1, 2))
+        if total is None:
+            total = part if weight == 1 else part * weight
+        else:
+            total = total.add(part, alpha=weight)
     return total
 
 
-def _gram_blocks(x: Tensor) -> list[tuple[int, Tensor]]:
-    """[(weight, Gram block)]: x x^T whole below _HALF_GRAM_MIN_TOKENS tokens, else the
-    blocks 11, 22 (weight 1) and 12 (weight 2) of its 2 x 2 split along tokens; float32
-    (or float64) for a low-precision x (tensor_cores.py)."""
-    t = x.shape[1]
+def _halves_view(x: Tensor) -> bool:
+    """Whether x (B, T, d) is (2B, T/2, d) as a view (T even, examples' rows evenly spaced)."""
+    return x.shape[1] % 2 == 0 and x.stride(0) == x.shape[1] * x.stride(1)
+
+
+def _gram_blocks(x: Tensor, joint: bool) -> list[tuple[int, Tensor]]:
+    """[(weight, Gram blocks of each example, (B, m, n))]: x x^T whole below
+    _HALF_GRAM_MIN_TOKENS tokens, else the blocks 11 and 22 (weight 1) and 12 (weight 2)
+    of its 2 x 2 split along tokens, 11 and 22 from one product where ``joint``
+    (:func:`_halves_view`); float32 (or float64) for a low-precision x (tensor_cores.py)."""
+    b, t = x.shape[:2]
     if t < _HALF_GRAM_MIN_TOKENS:
         return [(1, bmm_f32(x, x.transpose(1, 2)))]
     h = t // 2
     x1, x2 = x[:, :h], x[:, h:]
+    off = (2, bmm_f32(x1, x2.transpose(1, 2)))
+    if joint:
+        # Both diagonal blocks in one batched product, each example's two stacked:
+        # (B, T, T/2).
+        halves = x.view(2 * b, h, x.shape[2])
+        return [(1, bmm_f32(halves, halves.transpose(1, 2)).view(b, t, h)), off]
     return [
         (1, bmm_f32(x1, x1.transpose(1, 2))),
         (1, bmm_f32(x2, x2.transpose(1, 2))),
-        (2, bmm_f32(x1, x2.transpose(1, 2))),
+        off,
     ]
 
 
@@ -176,13 +205,13 @@ def gram_cache():
         _GRAM_CACHE = outer
 
 
-def _gram_blocks_cached(x: Tensor) -> list[tuple[int, Tensor]]:
+def _gram_blocks_cached(x: Tensor, joint: bool) -> list[tuple[int, Tensor]]:
     if _GRAM_CACHE is None:
-        return _gram_blocks(x)
-    key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version)
+        return _gram_blocks(x, joint)
+    key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version, joint)
     hit = _GRAM_CACHE.get(key)
     if hit is None:
-        hit = _GRAM_CACHE[key] = (x, _gram_blocks(x))
+        hit = _GRAM_CACHE[key] = (x, _gram_blocks(x, joint))
     return hit[1]
 
 
@@ -378,6 +407,7 @@ class RMSNormRule(LayerRule):
         if offset not in (0.0, 1.0):
             raise ValueError(f"offset={offset!r} is not allowed: expected 0 or 1")
         self.offset = float(offset)
+        self._neutral: dict[tuple, Tensor] = {}
         # Gemma multiplies by (1 + w) in float32, so autograd's own gradient is float32-accurate.
         self.float32_inside = self.offset == 1.0
 
@@ -390,12 +420,18 @@ class RMSNormRule(LayerRule):
         return None
 
     def prepare(self, module, a):
-        return a.reshape(a.shape[0], -1, module.weight.shape[0])
+        d = module.weight.shape[0]
+        return a if a.dim() == 3 and a.shape[-1] == d else a.reshape(a.shape[0], -1, d)
 
     def _normalised(self, module: nn.Module, a: Tensor) -> Tensor:
-        # from the shape: under FSDP2 module.weight may be a shard (DTensor) by now
-        shape = module.weight.shape
-        neutral = torch.full(shape, 1.0 - self.offset, dtype=a.dtype, device=a.device)
+        # The neutral weight depends on shape, dtype and device only: made once, not every
+        # step for every norm layer. Never written (functional_call only reads it). From
+        # the shape: under FSDP2 module.weight may be a shard (DTensor) by now.
+        key = (tuple(module.weight.shape), a.dtype, a.device)
+        neutral = self._neutral.get(key)
+        if neutral is None:
+            neutral = torch.full(key[0], 1.0 - self.offset, dtype=a.dtype, device=a.device)
+            self._neutral[key] = neutral
         with torch.no_grad():  # no_grad also keeps the clipping engine's hooks silent
             out = torch.func.functional_call(module, {"weight": neutral}, (a,))
         return out.to(a.dtype)
@@ -403,7 +439,7 @@ class RMSNormRule(LayerRule):
     def per_example(self, module, a, g):
         if not _trainable(module.weight):
             return {}
-        g = g.reshape(a.shape)
+        g = g if g.shape == a.shape else g.reshape(a.shape)
         return {"weight": (g * self._normalised(module, a)).sum(1)}
 
     def clipped_sum(self, module, a, g, factors):

@@ -34,6 +34,7 @@ from dptrain.clipping.rules import (
     gram_inner,
     weighted_sum,
 )
+from dptrain.clipping.streaming import PerExampleGrads
 
 __all__ = ["NormsAndSums", "is_tied"]
 
@@ -65,7 +66,7 @@ class NormsAndSums:
     def __init__(self, groups: dict[str, list[tuple[Use, str]]], norm_method: str):
         self.groups = groups
         self.norm_method = norm_method
-        self.per_example: dict[Use, dict[str, Tensor]] = {}
+        self.per_example: dict[Use, dict[str, Tensor]] = PerExampleGrads()
         """Per-example gradients {name: (B, *shape)} by module: formed during the backward
         for streamed modules, or for the norm of an instantiated one (kept for the sum)."""
         self.views: dict[Use, LayerRule] = {}
@@ -81,7 +82,7 @@ class NormsAndSums:
         self._tied_only = {k for k, names in owned.items() if all(n in tied for n in names)}
 
     def clear(self) -> None:
-        self.per_example = {}
+        self.per_example = PerExampleGrads()
         self.views = {}
 
     def rule(self, use: Use) -> LayerRule:
@@ -113,9 +114,9 @@ class NormsAndSums:
         """Parameter name -> (B,) squared per-example gradient norms. ``keep``: keep the
         per-example gradients instantiated on the way, for the sum (book-keeping)."""
         # The streamed modules' per-example gradients exist already (no record).
-        per_module = {u: _squared_norms(grads) for u, grads in self.per_example.items()}
+        per_module = self._held_norms_sq()
         if not keep:  # the second backward forms the sum: norms suffice
-            self.per_example = {}
+            self.per_example = PerExampleGrads()
         with gram_cache():
             for use, (a, g) in records.items():
                 if id(use) not in self._tied_only:
@@ -132,6 +133,21 @@ class NormsAndSums:
                 out[name] = _tied_norm_sq(present, records)
             else:
                 out[name] = self._shared_per_example(present, records).flatten(1).pow(2).sum(1)
+        return out
+
+    def _held_norms_sq(self) -> dict[Use, dict[str, Tensor]]:
+        """Squared norms of the per-example gradients formed so far: those in the streamed
+        modules' buffer from one split of it (streaming.Slots), any others one by one."""
+        slots = getattr(self.per_example, "slots", None)
+        if slots is None:
+            return {u: _squared_norms(grads) for u, grads in self.per_example.items()}
+        from_buffer = slots.squared_norms()
+        out = {}
+        for u, grads in self.per_example.items():
+            out[u] = {}
+            for k, v in grads.items():
+                held = slots.holds(u, k, v)  # else replaced out of place (a checked chunk)
+                out[u][k] = from_buffer[(u, k)] if held else _squared_norms({k: v})[k]
         return out
 
     def _module_norms_sq(self, use: Use, a: Tensor, g: Tensor, keep: bool) -> dict[str, Tensor]:
@@ -190,7 +206,7 @@ class NormsAndSums:
                     records.pop(u, None)
                     self.per_example.pop(u, None)
                     u.calls.clear()
-                    for key in [k for k in sums if k[0] is u]:
+                    for key in [k for k in sums if isinstance(k, tuple) and k[0] is u]:
                         del sums[key]
 
     def _weighted_sum_of(self, name, present, records: Records, c: Tensor, sums: dict) -> Tensor:
@@ -199,7 +215,7 @@ class NormsAndSums:
         grad = None
         for u, attr in present:
             if u in self.per_example:
-                part = weighted_sum({attr: self.per_example[u][attr]}, c)[attr]
+                part = self._held_sum(u, attr, c, sums)
             else:
                 key = (u, id(c))
                 if key not in sums:
@@ -208,6 +224,21 @@ class NormsAndSums:
                 part = sums[key][attr]
             grad = part if grad is None else grad + part
         return grad
+
+    def _held_sum(self, use: Use, attr: str, c: Tensor, sums: dict) -> Tensor:
+        """sum_i c_i grad_i of a formed per-example gradient. Those in the streamed modules'
+        buffer are summed all at once for the first factors asked for (one product; the
+        result, one parameter-sized vector, is kept in ``sums`` until the drain ends);
+        per-layer clipping's other factors, and gradients outside it, one by one."""
+        v = self.per_example[use][attr]
+        slots = getattr(self.per_example, "slots", None)
+        if slots is not None and slots.holds(use, attr, v):
+            held = sums.get("streamed")
+            if held is None:
+                held = sums["streamed"] = (c, slots.weighted_sums(c))
+            if held[0] is c:
+                return held[1][(use, attr)]
+        return weighted_sum({attr: v}, c)[attr]
 
 
 def _tied_norm_sq(present, records: Records) -> Tensor:

@@ -1,6 +1,6 @@
 """FSDP2 under dptrain: per-rank memory and step time at 1, 2 and 4 gloo processes (CPU).
 
-    PYTHONPATH=src:. python benchmarks/bench_fsdp.py [--ranks 1 2 4] [--steps 4]
+    PYTHONPATH=src:. python benchmarks/bench_fsdp.py [--ranks 1 2 4] [--steps 4] [--kinds ...]
 
 A tied Llama from a config (hidden 512, 4 layers, vocab 8192: 16.8M parameters,
 float32), sharded per decoder layer and at the root on a 1-D CPU mesh, trained

@@ -176,38 +176,29 @@ def make_private_distributed(
             group=group,
             equal_chunks=sharded,
         )
+        # the one-process optimizer's settings, on the distributed optimizer of either kind
+        same = dict(
+            noise_multiplier=base_opt.noise_multiplier,
+            max_grad_norm=base_opt.max_grad_norm,
+            expected_batch_size=base_opt.expected_batch_size,
+            sample_rate=base_opt.sample_rate,
+            ledger=local_ledger,
+            seed=shared_seed,
+            max_steps=base_opt.max_steps,
+            group=group,
+            engine=private.engine,
+        )
         dp_optimizer: DPOptimizer
         if sharded:
             engine = private.engine
             sharding = FSDPSharding(model, engine.module_rules)
             sharding.refuse_unsharded({n: engine.parameter(n) for n in engine.parameter_names})
             engine.shard(sharding, ShardedGradStore())
-            dp_optimizer = ShardedDPOptimizer(
-                base_opt.original_optimizer,
-                noise_multiplier=base_opt.noise_multiplier,
-                max_grad_norm=base_opt.max_grad_norm,
-                expected_batch_size=base_opt.expected_batch_size,
-                sample_rate=base_opt.sample_rate,
-                names={id(engine.parameter(n)): n for n in engine.parameter_names},
-                ledger=local_ledger,
-                seed=shared_seed,
-                max_steps=base_opt.max_steps,
-                group=group,
-                engine=engine,
-            )
+            names = {id(engine.parameter(n)): n for n in engine.parameter_names}
+            dp_optimizer = ShardedDPOptimizer(base_opt.original_optimizer, names=names, **same)
         else:
             dp_optimizer = DistributedDPOptimizer(
-                base_opt.original_optimizer,
-                noise_multiplier=base_opt.noise_multiplier,
-                max_grad_norm=base_opt.max_grad_norm,
-                expected_batch_size=base_opt.expected_batch_size,
-                sample_rate=base_opt.sample_rate,
-                ledger=local_ledger,
-                seed=shared_seed,
-                max_steps=base_opt.max_steps,
-                group=group,
-                bucket_cap_mb=bucket_cap_mb,
-                engine=private.engine,
+                base_opt.original_optimizer, bucket_cap_mb=bucket_cap_mb, **same
             )
         result = PrivateTraining(
             model=model,

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_json_atomically"]
+__all__ = ["fsync_directory", "write_json_atomically"]
 
 
 def write_json_atomically(path: str | os.PathLike, data: Any, *, durable: bool = False) -> Path:
@@ -33,3 +33,19 @@ def write_json_atomically(path: str | os.PathLike, data: Any, *, durable: bool =
         Path(temp).unlink(missing_ok=True)
         raise
     return path
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Flush a directory's entries to disk, so that a rename into it survives a machine
+    crash; a no-op where the platform or file system cannot (best effort, as the rename
+    itself already happened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

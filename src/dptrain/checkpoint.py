@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dptrain._atomic import fsync_directory
 from dptrain.data.poisson import PoissonBatchSampler
 from dptrain.distributed import sharded_checkpoint
 from dptrain.distributed.collectives import _broadcast_object, _describe, _raise_on_every_rank
@@ -249,12 +250,7 @@ def _atomic_save(state: dict[str, Any], path: Path) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_directory(path.parent)  # make the rename itself durable
 
 
 def load_checkpoint(

@@ -117,9 +117,6 @@ class FSDPSharding:
     module's forward used.
     """
 
-    collective = True
-    """Every rank must add every parameter's sum in the same order (the sums are reduced)."""
-
     def __init__(self, model: nn.Module, rules: dict[str, Any]):
         self.model = model
         self._by_sharded: dict[int, Any] = {}

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dptrain._atomic import write_json_atomically
+from dptrain._atomic import fsync_directory, write_json_atomically
 from dptrain.distributed.collectives import _broadcast_object, _describe
 from dptrain.distributed.context import _rank_and_world
 
@@ -125,19 +125,6 @@ def _prepare(path: Path, step: int) -> tuple[Path, Path]:
     return tmp, path / name
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _publish(path: Path, tmp: Path, final: Path, state: dict[str, Any], world: int) -> None:
     """Rank 0: the small state into ``tmp``, ``tmp`` renamed to ``final``, the pointer moved,
     the replaced states (and temporaries of crashed saves) removed."""
@@ -145,9 +132,9 @@ def _publish(path: Path, tmp: Path, final: Path, state: dict[str, Any], world: i
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_directory(tmp)
     os.rename(tmp, final)
-    _fsync_dir(path)
+    fsync_directory(path)
     pointer = {
         "kind": KIND,
         "format_version": FORMAT_VERSION,
@@ -156,7 +143,7 @@ def _publish(path: Path, tmp: Path, final: Path, state: dict[str, Any], world: i
         "world_size": world,
     }
     write_json_atomically(path / POINTER_FILE, pointer, durable=True)
-    _fsync_dir(path)
+    fsync_directory(path)
     for entry in path.iterdir():
         # only what a save makes: the user's other files in the directory stay
         ours = entry.name.startswith(_STATE_PREFIX) or (

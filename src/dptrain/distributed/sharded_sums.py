@@ -59,10 +59,9 @@ class ShardedGradStore(GradStore):
         partial = DTensor.from_local(full, mesh, [Partial()] * mesh.ndim, run_check=False)
         shard = partial.redistribute(mesh, p.placements)
         held = self.clipped_sum(p)
-        if held is None:
-            total = shard
-        else:
-            total = held.add_(shard.to(held.dtype)) if held.dtype == dtype else held + shard
+        if held is not None and held.dtype != dtype:
+            held = held.to(dtype)  # a rounded p.grad without this store's sum: kept, promoted
+        total = shard if held is None else held.add_(shard)
         rounded = total if total.dtype == p.dtype else total.to(p.dtype)
         p.grad = rounded
         self._shards[id(p)] = (total, rounded)

@@ -186,3 +186,23 @@ def test_weighted_sum_is_sum_of_scaled_per_example_gradients_including_empty_bat
         torch.testing.assert_close(got[k].double(), want, rtol=1e-6, atol=1e-7)
     empty = weighted_sum({"w": torch.zeros(0, 3, 0)}, torch.zeros(0))["w"]
     assert empty.shape == (3, 0)
+
+
+def test_a_module_fully_shard_made_a_unit_keeps_its_types_rule():
+    # fully_shard swaps a module's class for FSDP<Type> (bases FSDPModule, <Type>; no
+    # forward of its own): accelerate does so with the embedding, final norm and head
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from dptrain.clipping.rules import RULES, find_rule
+
+    sharded_type = type("FSDPEmbedding", (fsdp.FSDPModule, nn.Embedding), {})
+    module = nn.Embedding(5, 3)
+    module.__class__ = sharded_type
+    assert find_rule(module) is RULES[nn.Embedding]
+
+    # a subclass that brings its own forward is not the same computation: no rule
+    class Scaled(fsdp.FSDPModule, nn.Embedding):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    module.__class__ = Scaled
+    assert find_rule(module) is None

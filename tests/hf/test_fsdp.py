@@ -18,9 +18,8 @@ import torch
 pytest.importorskip("transformers")
 
 from dptrain.distributed import spawn
-from dptrain.hf import DPTrainer, PrivacyArguments
-from dptrain.hf.errors import PrivacyCheckpointError, UnsupportedTrainingArgumentsError
-from tests.hf import _fsdp_run, tiny
+from dptrain.hf.errors import PrivacyCheckpointError
+from tests.hf import _fsdp_run
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -197,20 +196,6 @@ def test_unsupported_settings_with_a_sharded_model_are_refused(runs, kind, words
     assert message, f"{kind} was accepted"
     for word in words:
         assert word in message, message
-
-
-def test_accelerate_fsdp_plugin_is_refused_with_what_is_supported(tmp_path):
-    args = tiny.training_args(str(tmp_path), fsdp="full_shard", fsdp_config={"fsdp_version": 2})
-    with pytest.raises(UnsupportedTrainingArgumentsError) as err:
-        DPTrainer(
-            model=tiny.llama(),
-            args=args,
-            train_dataset=tiny.lm_records(40),
-            privacy_args=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-5),
-        )
-    message = str(err.value)
-    assert message.startswith("fsdp=")
-    assert "fully_shard(layer)" in message and "torchrun" in message
 
 
 @pytest.mark.slow

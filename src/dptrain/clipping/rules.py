@@ -542,6 +542,20 @@ def register_rule(module_type: type[nn.Module], rule: LayerRule) -> None:
     RULES[module_type] = rule
 
 
+def _unwrap_fsdp2_type(module_type: type) -> type:
+    """``<Type>`` for the class ``FSDP<Type>`` that ``fully_shard`` swaps in (bases
+    (FSDPModule, <Type>), no forward of its own: FSDP2 works through hooks); else the
+    type itself."""
+    bases = module_type.__bases__
+    if len(bases) != 2 or "forward" in module_type.__dict__:
+        return module_type
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 or without distributed
+        return module_type
+    return bases[1] if bases[0] is FSDPModule else module_type
+
+
 def find_rule(module: nn.Module) -> LayerRule | None:
     """The rule registered for exactly ``module``'s type, or None.
 
@@ -549,11 +563,15 @@ def find_rule(module: nn.Module) -> LayerRule | None:
     ``forward`` (LoRA, quantised layers), and a wrong rule would clip wrongly
     without any sign. Register such types explicitly. A module with
     ``torch.nn.utils.parametrize`` parametrizations (a new type per module) gets the
-    replaying :class:`~dptrain.clipping.replay.ParametrizedRule`.
+    replaying :class:`~dptrain.clipping.replay.ParametrizedRule`. A module that FSDP2's
+    ``fully_shard`` made a unit of its own (accelerate does so with the embedding, the
+    final norm and the head) has the type ``FSDP<Type>``, which adds FSDP's methods and
+    no ``forward``: it gets the rule of ``<Type>``.
     """
-    rule = RULES.get(type(module))
+    kind = _unwrap_fsdp2_type(type(module))
+    rule = RULES.get(kind)
     if rule is None:
-        rule = RULES_BY_NAME.get(_type_name(type(module)))
+        rule = RULES_BY_NAME.get(_type_name(kind))
     if rule is None:  # torch.nn.utils.parametrize makes a new type per parametrized module
         from dptrain.clipping.replay import parametrized_rule  # (replay.py imports this module)
 

@@ -220,15 +220,87 @@ class _PrivacyCallback(TrainerCallback):
                 bar.set_postfix(eps=f"<={curve(steps):.2f}", refresh=False)
 
 
-# Why accelerate's FSDP plugin is refused, and what is supported instead (docs/hf.md, FSDP).
-_ACCELERATE_FSDP = (
-    "accelerate's FSDP plugin shards the model after Trainer has made its optimizer, "
-    "which is where DPTrainer builds the per-example clipping (on the unsharded model), "
-    "and accelerate ignores the plugin on CPU, where DPTrainer's FSDP support is tested. "
-    "Supported instead: shard the model yourself with FSDP2 before passing it to "
-    "DPTrainer (torch.distributed.fsdp.fully_shard(layer) for each decoder layer, then "
-    "fully_shard(model)) and launch with torchrun, without fsdp= / fsdp_config="
+_NO_RESHARD = (
+    "reshard_after_forward=False (fsdp='shard_grad_op') is not allowed with DPTrainer under "
+    "FSDP: the layers would keep their gathered weights registered after "
+    "the forward, which the clipping's check of state written by the forward refuses; use "
+    "fsdp='full_shard' (reshard_after_forward=True)"
 )
+
+
+def _check_fsdp_plugin(
+    source: str,
+    version: Any,
+    cpu_offload: bool,
+    activation_checkpointing: bool,
+    param_dtype: torch.dtype | None,
+) -> None:
+    """Refuse the settings of accelerate's FSDP plugin that DPTrainer cannot train privately.
+
+    ``source`` names where they came from (``fsdp_config`` of TrainingArguments, or the
+    environment ``accelerate launch`` sets), so that the message says what to change.
+    """
+    if version is not None and int(version) != 2:
+        raise UnsupportedTrainingArgumentsError(
+            f"{source}: fsdp_version={version!r} is not allowed with DPTrainer: FSDP1 "
+            "(FullyShardedDataParallel) flattens parameters so that no module holds its own "
+            "weight, and dptrain cannot clip it. Use FSDP2: fsdp_version 2 (fsdp_config="
+            '{"fsdp_version": 2, ...}, or fsdp_version: 2 in the accelerate config)'
+        )
+    if cpu_offload:
+        raise UnsupportedTrainingArgumentsError(
+            f"{source}: cpu_offload / offload_params=True is not allowed with DPTrainer: "
+            "dptrain does not support FSDP2's CPU offload (the clipped sums are reduced on the "
+            "parameters' device); turn the offload off"
+        )
+    if activation_checkpointing:
+        raise UnsupportedTrainingArgumentsError(
+            f"{source}: activation_checkpointing=True is not allowed with DPTrainer: "
+            "accelerate wraps the decoder layers in a checkpoint wrapper after DPTrainer has "
+            "built its per-example clipping on them; leave it False"
+        )
+    if param_dtype is not None and param_dtype != torch.float32:
+        raise UnsupportedTrainingArgumentsError(
+            f"{source}: mixed precision (bf16=True, or mixed_precision: bf16 in the accelerate "
+            "config) is not allowed with DPTrainer under FSDP: accelerate turns it into FSDP2's "
+            f"MixedPrecisionPolicy(param_dtype={param_dtype}), which dptrain's clipping does "
+            "not support. Load the model in bfloat16 (torch_dtype=torch.bfloat16) with "
+            "bf16=False, which the clipping supports, or train in float32"
+        )
+
+
+def _check_fsdp_arguments(args: TrainingArguments) -> None:
+    """TrainingArguments' ``fsdp=`` / ``fsdp_config=``, checked before accelerate is made."""
+    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    if not args.fsdp or plugin_args is None:
+        return
+    if plugin_args.get("reshard_after_forward", True) in (False, 0):
+        raise UnsupportedTrainingArgumentsError(f"fsdp_config: {_NO_RESHARD}")
+    mixed = "bf16" if args.bf16 else None  # (fp16 is refused on its own)
+    _check_fsdp_plugin(
+        "fsdp_config",
+        plugin_args.get("fsdp_version"),
+        bool(plugin_args.get("cpu_offload")),
+        bool(plugin_args.get("activation_checkpointing")),
+        torch.bfloat16 if mixed else None,
+    )
+
+
+def _check_accelerate_plugin(plugin: Any) -> None:
+    """The FSDP plugin accelerate made (from fsdp_config, or from ``accelerate launch``'s
+    environment: ACCELERATE_USE_FSDP, FSDP_VERSION, FSDP_OFFLOAD_PARAMS, ...)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if getattr(plugin, "reshard_after_forward", True) is False:
+        raise UnsupportedTrainingArgumentsError(f"accelerate's FSDP plugin: {_NO_RESHARD}")
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    _check_fsdp_plugin(
+        "accelerate's FSDP plugin",
+        getattr(plugin, "fsdp_version", 1),
+        isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy),
+        bool(getattr(plugin, "activation_checkpointing", False)),
+        getattr(policy, "param_dtype", None),
+    )
 
 
 def _check_training_args(args: TrainingArguments) -> None:
@@ -265,7 +337,6 @@ def _check_training_args(args: TrainingArguments) -> None:
             "per-example losses are plain cross-entropy",
         ),
         "deepspeed": (bool(args.deepspeed), "DeepSpeed owns the backward and the optimizer step"),
-        "fsdp": (bool(args.fsdp), _ACCELERATE_FSDP),
     }
     for name, (bad, why) in refused.items():
         if bad:
@@ -283,6 +354,7 @@ def _check_training_args(args: TrainingArguments) -> None:
             f"n_gpu={args.n_gpu} (torch DataParallel) is not allowed: launch one process per "
             "device with torchrun instead"
         )
+    _check_fsdp_arguments(args)
 
 
 def _check_sharded_model(
@@ -440,12 +512,19 @@ class DPTrainer(Trainer):
             **kwargs,
         )
         if self.is_fsdp_enabled:
-            # accelerate's FSDP plugin from `accelerate launch` (fsdp= is refused above)
-            raise UnsupportedTrainingArgumentsError(
-                f"accelerate's FSDP plugin (accelerate launch with an FSDP config) is not "
-                f"allowed with DPTrainer: {_ACCELERATE_FSDP}"
+            # accelerate's FSDP plugin, from fsdp= / fsdp_config= or `accelerate launch`
+            _check_accelerate_plugin(self.accelerator.state.fsdp_plugin)
+            if not sharded:
+                sharded = self._shard_with_accelerate(privacy_args)
+                self._sharded = sharded
+        elif args.fsdp:
+            log.warning(
+                "TrainingArguments.fsdp / fsdp_config are not applied: accelerate enables its "
+                "FSDP plugin only on several accelerators (distributed type here: %s); the "
+                "model trains unsharded, with the same guarantee",
+                self.accelerator.state.distributed_type,
             )
-        if sharded:
+        if sharded and not self.is_fsdp_enabled:
             # A model already sharded with fully_shard is what Trainer calls "sharded at
             # load time": it then neither wraps it in DDP (whose construction would
             # broadcast rank 0's shards over the others') nor moves it, and gathers the
@@ -493,6 +572,32 @@ class DPTrainer(Trainer):
         internal.max_steps = plan.steps
         internal.ignore_data_skip = True
         return internal
+
+    def _shard_with_accelerate(self, privacy_args: PrivacyArguments) -> bool:
+        """Shard the model now, as accelerate's FSDP2 plugin would in ``train()``.
+
+        Trainer hands the model to accelerate (``accelerator.prepare(model, optimizer)``)
+        after ``create_optimizer``, where DPTrainer builds the per-example clipping and the
+        sharded private optimizer: both must see the sharded parameters. So the model is
+        sharded here with accelerate's own function (the same per-layer groups, tail group
+        and root as prepare makes); prepare later finds an FSDP2 module and leaves it as
+        it is, and maps the optimizer's parameters onto themselves. Sharding here also lets
+        the model go through every check of a model the user sharded, and the probe, before
+        any step.
+        """
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+        from torch.distributed.fsdp import FSDPModule
+
+        self.model = fsdp2_prepare_model(self.accelerator, self.model)
+        self.model_wrapped = self.model
+        for module in self.model.modules():
+            if module is not self.model and isinstance(module, FSDPModule):
+                # accelerate keeps its tail unit (final norm, embedding, head) gathered
+                # after the forward; the engine's check of state the forward wrote would
+                # see those weights rebound. Resharded like the decoder layers (one more
+                # all-gather of the tail in the backward), they are back in place after it.
+                module.set_reshard_after_forward(True, recurse=False)
+        return _check_sharded_model(self.model, self.user_args, privacy_args)
 
     def _check_no_custom_sampler(self) -> None:
         cls = type(self)
@@ -901,8 +1006,19 @@ class DPTrainer(Trainer):
         check_in_step(self.privacy, self._resumed_steps)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Trainer's ``save_model``, plus ``privacy.json`` and the model card's privacy section."""
-        super().save_model(output_dir, _internal_call)
+        """Trainer's ``save_model``, plus ``privacy.json`` and the model card's privacy section.
+
+        Under accelerate's FSDP plugin the weights are gathered as for a model the user
+        sharded (:meth:`_save`): Trainer's FSDP branch writes no weights at all for
+        ``state_dict_type`` SHARDED_STATE_DICT (accelerate launch's default), and a
+        checkpoint's shards are in its ``dptrain_shards/`` anyway.
+        """
+        if self._sharded and self.is_fsdp_enabled:
+            self._save(output_dir or self.args.output_dir)
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        else:
+            super().save_model(output_dir, _internal_call)
         if self.privacy is not None and self.args.should_save:
             write_privacy_report(output_dir or self.args.output_dir, self.privacy_report())
 

@@ -164,6 +164,32 @@ def refusal(output_dir: str, kind: str) -> str:
     return ""
 
 
+def _checkpointed_trainer(output_dir: str) -> Any:
+    fsdp_on_cpu()
+    arguments = {
+        **_fsdp_run.CHECKPOINTED,
+        "logging_steps": 1,
+        "fsdp": "full_shard",
+        "fsdp_config": dict(FSDP_CONFIG),
+    }
+    return _fsdp_run._trainer(output_dir, False, 2, arguments, **_fsdp_run.NOISED)
+
+
+def checkpointed(output_dir: str) -> dict[str, Any]:
+    """:data:`tests.hf._fsdp_run.CHECKPOINTED` (AdamW, linear decay, noise, a checkpoint
+    after every step) under the plugin, uninterrupted."""
+    trainer = _checkpointed_trainer(output_dir)
+    trainer.train()
+    return _fsdp_run._outcome(trainer)
+
+
+def resumed(output_dir: str, checkpoint: str) -> dict[str, Any]:
+    """The same run, a new model and DPTrainer resuming from ``checkpoint`` (fresh processes)."""
+    trainer = _checkpointed_trainer(output_dir)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return _fsdp_run._outcome(trainer)
+
+
 def unpatched(output_dir: str) -> dict[str, Any]:
     """DPTrainer with fsdp= where accelerate ignores the plugin (MULTI_CPU, before
     :func:`fsdp_on_cpu`): whether FSDP is on, and what DPTrainer logged."""
@@ -202,12 +228,16 @@ def scenarios(output_dir: str) -> tuple[dict, dict, dict, dict, dict]:
 
 
 if __name__ == "__main__":
+    import json
+
     # `--launched`: under `accelerate launch` with an FSDP2 config, the plugin from the
     # environment it set (no fsdp= here)
     launched = "--launched" in sys.argv[2:]
     if launched:
         fsdp_on_cpu()
-    result = train(
-        sys.argv[1], save=True, launch_env=False, from_launcher=launched, **_fsdp_run.NOISED
-    )
-    print({k: v for k, v in result.items() if k not in ("params", "padding")})
+    result = train(sys.argv[1], save=True, from_launcher=launched, **_fsdp_run.NOISED)
+    shown = {k: v for k, v in result.items() if k not in ("params", "padding")}
+    # each rank's report, whole (the ranks' printed lines may interleave)
+    with open(f"{sys.argv[1]}/result_{os.environ.get('RANK', '0')}.json", "w") as f:
+        json.dump(shown, f)
+    print(shown, flush=True)

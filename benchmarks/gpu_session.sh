@@ -4,7 +4,8 @@
 #
 #   1. the CUDA tests: the engine's oracle tests on CUDA, generator states on CUDA, and
 #      DPTrainer on CUDA at bf16 and float32, with and without gradient accumulation,
-#      resumed from a checkpoint (tests/hf/test_devices.py);
+#      resumed from a checkpoint (tests/hf/test_devices.py); DPTrainer under accelerate's
+#      FSDP2 plugin in one nccl process against the CPU run (tests/hf/test_accelerate_fsdp.py);
 #   2. `dptrain bench --gpu` at real sizes (Llama at SmolLM2-135M and Llama-3.2-1B sizes,
 #      full and LoRA r16, bf16 autocast and bf16 weights, B 16 / 8, T 512): step time
 #      (3 warm-up + 10 timed steps) and peak memory per method in a fresh process, one
@@ -72,7 +73,7 @@ say "## CUDA tests (limit ${TESTS_S}s)"
 say ""
 timeout -k 5 "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
     tests/clipping/test_cuda.py tests/clipping/test_tensor_cores.py tests/test_generators.py \
-    tests/test_supported.py tests/distributed/test_fsdp.py \
+    tests/test_supported.py tests/distributed/test_fsdp.py tests/hf/test_accelerate_fsdp.py \
     "tests/hf/test_devices.py" -k "cuda or test_supported or test_generators" \
     -rs 2>&1 | tee "$WORK/tests.log" | tail -n 25
 say '```'

@@ -75,6 +75,7 @@ def train(
     save: bool = False,
     launch_env: bool = False,
     from_launcher: bool = False,
+    patch: bool = True,
     arguments: dict[str, Any] | None = None,
     **privacy: Any,
 ) -> dict[str, Any]:
@@ -83,7 +84,8 @@ def train(
     ``launch_env``: the plugin from accelerate launch's environment, not fsdp=."""
     from tests.hf import tiny
 
-    fsdp_on_cpu()
+    if patch:
+        fsdp_on_cpu()
     settings: dict[str, Any] = {
         "eval_strategy": "steps",
         "eval_steps": 2,
@@ -123,6 +125,14 @@ def train(
         "padding": trainer.padding,
         "eval_loss": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
     }
+
+
+def on_cuda(output_dir: str) -> dict[str, Any]:
+    """:func:`train` on the CUDA device of a one-process nccl group, accelerate's FSDP2
+    path unpatched (MULTI_GPU); expected batch 4 x 2 x 1 = 8. Tensors come back on the CPU."""
+    result = train(output_dir, per_device=4, patch=False, arguments={"use_cpu": False})
+    result["params"] = {n: t.cpu() for n, t in result["params"].items()}
+    return result
 
 
 def _sharded(model: Any) -> bool:

@@ -245,3 +245,22 @@ def test_accelerate_launch_with_an_fsdp2_config_reaches_the_sharded_path(tmp_pat
     assert (out / "model.safetensors").is_file()
     report = json.loads((out / "privacy.json").read_text())
     assert report["ledger"] == results[0]["ledger"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_plugin_on_one_cuda_process_equals_the_cpu_run(tmp_path):
+    # accelerate's own FSDP2 path on a GPU (no patch), one nccl process: a smoke test of
+    # the CUDA path against the one-process CPU run (float32 kernels of another device)
+    (cuda,) = spawn(
+        _accelerate_fsdp_run.on_cuda,
+        1,
+        (str(tmp_path / "cuda"),),
+        backend="nccl",
+        timeout=120,
+        join_timeout=600,
+    )
+    one = _fsdp_run.train(str(tmp_path / "one"), False, 4)
+    assert cuda["fsdp_enabled"] and cuda["sharded_before_train"]
+    assert cuda["optimizer"] == "ShardedDPOptimizer" and cuda["ledger"] == one["ledger"]
+    for name, value in one["params"].items():
+        torch.testing.assert_close(cuda["params"][name], value, rtol=0, atol=1e-5, msg=name)

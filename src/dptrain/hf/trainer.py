@@ -48,9 +48,14 @@ How it sits in Trainer's loop (read against transformers 5.23), and why
   the rank's shard, equal chunks on every rank (padding rows of weight 0), keyed
   noise (:mod:`dptrain.distributed.sharded_optimizer`). Trainer treats it as
   "sharded at load time": no DDP wrapper (its construction would broadcast rank 0's
-  shards over the others'), no move; ``save_model`` gathers the shards. accelerate's
-  own FSDP plugin is refused (it shards after ``create_optimizer``, where the clipping
-  is built; docs/hf.md, FSDP2). A checkpoint of a sharded run has no ``optimizer.pt``
+  shards over the others'), no move; ``save_model`` gathers the shards.
+* **accelerate's FSDP2 plugin** (``fsdp=`` / ``fsdp_config=``, or ``accelerate
+  launch``) would shard the model in ``accelerator.prepare(model, optimizer)``, after
+  ``create_optimizer`` has built the clipping and the private optimizer on the
+  unsharded parameters. DPTrainer therefore shards it when it is built, with
+  accelerate's own ``fsdp2_prepare_model`` (:meth:`DPTrainer._shard_with_accelerate`),
+  and from there takes the path of a model the user sharded: ``prepare`` finds an FSDP2
+  model and leaves it, and its optimizer, as they are (docs/hf.md, FSDP2). A checkpoint of a sharded run has no ``optimizer.pt``
   (``torch.save`` on the writing rank would keep only its shards of the optimizer
   state): every rank writes its shards of the model and the optimizer, with the DP
   state, to ``dptrain_shards/`` through ``torch.distributed.checkpoint``

@@ -76,6 +76,7 @@ def train(
     launch_env: bool = False,
     from_launcher: bool = False,
     patch: bool = True,
+    lora: bool = False,
     arguments: dict[str, Any] | None = None,
     **privacy: Any,
 ) -> dict[str, Any]:
@@ -103,6 +104,7 @@ def train(
             per_device,
             settings,
             eval_dataset=tiny.lm_records(11, seed=3),
+            lora=lora,
             **privacy,
         )
         sharded_before = _sharded(trainer.model)
@@ -125,6 +127,21 @@ def train(
         "padding": trainer.padding,
         "eval_loss": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
     }
+
+
+def lora_and_ram_efficient_loading(output_dir: str) -> tuple[dict, dict]:
+    """LoRA adapters (ghost clipping) under the plugin, then the plugin with
+    ``cpu_ram_efficient_loading`` (accelerate shards on the meta device and loads rank
+    0's weights into the shards), both at sigma ~ 0."""
+    lora = train(f"{output_dir}/lora", lora=True, mode="ghost")
+    config = {**FSDP_CONFIG, "cpu_ram_efficient_loading": True}
+    arguments = {"fsdp": "full_shard", "fsdp_config": config}
+    try:
+        ram = train(f"{output_dir}/ram", arguments=arguments)
+    finally:
+        # (TrainingArguments set it for the process, for from_pretrained to read)
+        os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
+    return lora, ram
 
 
 def on_cuda(output_dir: str) -> dict[str, Any]:

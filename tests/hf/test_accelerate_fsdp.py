@@ -190,6 +190,31 @@ def test_a_plugin_sharded_run_resumes_bit_for_bit(tmp_path):
     assert any(not torch.equal(before[n], v) for n, v in run[0]["params"].items())
 
 
+@pytest.mark.slow
+def test_lora_and_ram_efficient_loading_under_the_plugin_equal_one_process(tmp_path):
+    # ~70 s on 2 loaded cores: one spawn of 2 processes, two one-process references
+    runs = spawn(
+        _accelerate_fsdp_run.lora_and_ram_efficient_loading,
+        2,
+        (str(tmp_path / "two"),),
+        timeout=120,
+        join_timeout=900,
+    )
+    lora_one = _fsdp_run.train(str(tmp_path / "lora"), False, 4, lora=True, mode="ghost")
+    one = _fsdp_run.train(str(tmp_path / "one"), False, 4)
+    assert all("lora_" in n for n in lora_one["params"])  # only the adapters train
+    for lora, ram in runs:
+        for sharded, reference in ((lora, lora_one), (ram, one)):
+            assert sharded["fsdp_enabled"] and sharded["sharded_before_train"]
+            assert sharded["optimizer"] == "ShardedDPOptimizer"
+            assert sharded["ledger"] == reference["ledger"]
+            assert sharded["params"].keys() == reference["params"].keys()
+            for name, value in reference["params"].items():
+                torch.testing.assert_close(
+                    sharded["params"][name], value, rtol=0, atol=1e-6, msg=name
+                )
+
+
 # an FSDP2 config as `accelerate config` writes it (SHARDED_STATE_DICT: save_model still
 # writes the gathered weights)
 ACCELERATE_CONFIG = """\

@@ -55,13 +55,13 @@ How it sits in Trainer's loop (read against transformers 5.23), and why
   unsharded parameters. DPTrainer therefore shards it when it is built, with
   accelerate's own ``fsdp2_prepare_model`` (:meth:`DPTrainer._shard_with_accelerate`),
   and from there takes the path of a model the user sharded: ``prepare`` finds an FSDP2
-  model and leaves it, and its optimizer, as they are (docs/hf.md, FSDP2). A checkpoint of a sharded run has no ``optimizer.pt``
-  (``torch.save`` on the writing rank would keep only its shards of the optimizer
-  state): every rank writes its shards of the model and the optimizer, with the DP
-  state, to ``dptrain_shards/`` through ``torch.distributed.checkpoint``
-  (:func:`~dptrain.hf.checkpoint.save_shards`); resuming reads the weights from there
-  too, each rank its shards, rather than loading the gathered ``model.safetensors``
-  into sharded parameters. ``load_best_model_at_end`` is refused for the same reason.
+  model and leaves it, and its optimizer, as they are (docs/hf.md, FSDP2).
+* **Checkpoints of a sharded run** have no ``optimizer.pt`` (``torch.save`` on the
+  writing rank would keep only its shards of the optimizer state): every rank writes
+  its shards of the model and the optimizer, with the DP state, to ``dptrain_shards/``
+  through ``torch.distributed.checkpoint`` (:func:`~dptrain.hf.checkpoint.save_shards`);
+  resuming reads the weights from there too, each rank its shards, rather than loading
+  the gathered ``model.safetensors`` into sharded parameters. ``load_best_model_at_end`` is refused for the same reason.
 
 The TrainingArguments the Trainer runs with are a copy of the given ones with
 ``gradient_accumulation_steps=1``, ``max_grad_norm=0``, ``max_steps`` = the planned

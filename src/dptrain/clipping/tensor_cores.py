@@ -58,12 +58,12 @@ from torch import Tensor
 from dptrain.clipping.precision import LOW_PRECISION, upcast
 
 __all__ = [
+    "ROUNDING_UNIT",
     "bmm_f32",
     "flops_emulated",
     "mm_f32",
     "one_gemm_sums",
     "ops_emulated",
-    "ROUNDING_UNIT",
     "round_down_bf16",
     "rounding_bound",
     "scaled_cross",

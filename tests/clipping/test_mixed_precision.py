@@ -318,3 +318,11 @@ def test_one_gemm_factors_absorb_the_margin_and_unclipped_examples_are_exact():
     want = 1e-3 / (norms + r)
     assert torch.allclose(stats["bounded", 1e-3].factors, want, rtol=1e-6)
     assert (r / norms > 0.05).all()  # cancelling tokens: a margin of several percent
+
+
+def test_an_unknown_sum_rounding_is_named():
+    with pytest.raises(
+        ValueError,
+        match=r"sum_rounding='fast' is not allowed: expected one of \['exact', 'bounded'\]",
+    ):
+        ClippingEngine(_OneLinear(), 1.0, sum_rounding="fast")

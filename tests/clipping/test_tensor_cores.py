@@ -219,3 +219,26 @@ def test_one_gemm_sums_count_one_tensor_core_gemm():
         assert flops_emulated() == (2 * 2 * 4 * 8 * 8, 0)
     finally:
         flops_emulated(reset=True, on=False)
+
+
+def test_rounding_bounds_of_layers_sharing_an_input_read_its_norms_once(monkeypatch):
+    import dptrain.clipping.tensor_cores as tc
+
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(2, 5, 6, generator=gen).bfloat16()
+    g1, g2 = (torch.randn(2, 5, 3, generator=gen).bfloat16() for _ in range(2))
+    alone = [rounding_bound(a, g) for g in (g1, g2)]
+    calls = []
+    real = torch.linalg.vector_norm
+
+    def counted(x, *args, **kwargs):
+        calls.append(x)
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", counted)
+    with tc.row_norm_cache():
+        shared = [rounding_bound(a, g) for g in (g1, g2)]
+        a.add_(1)  # changed in place: its norms are read again
+        rounding_bound(a, g1)
+    assert all(torch.equal(x, y) for x, y in zip(alone, shared, strict=True))
+    assert [id(x) for x in calls] == [id(x) for x in (a, g1, g2, a)]

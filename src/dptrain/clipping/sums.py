@@ -35,7 +35,7 @@ from dptrain.clipping.rules import (
     weighted_sum,
 )
 from dptrain.clipping.streaming import PerExampleGrads
-from dptrain.clipping.tensor_cores import one_gemm_sums
+from dptrain.clipping.tensor_cores import one_gemm_sums, row_norm_cache
 
 __all__ = ["NormsAndSums", "is_tied"]
 
@@ -137,12 +137,13 @@ class NormsAndSums:
                     per_module[use] = self._module_norms_sq(use, a, g, keep)
         self._bounds = {}
         if self.sum_rounding == "bounded" and keep:
-            for use, (a, g) in records.items():
-                if use not in self.per_example:  # its sum comes from the record
-                    rule = self.rule(use)
-                    bound = rule.rounding_bound(use.module, *for_rule(rule, a, g))
-                    if bound:
-                        self._bounds[use] = bound
+            with row_norm_cache():  # inputs shared by several layers: their norms once
+                for use, (a, g) in records.items():
+                    if use not in self.per_example:  # its sum comes from the record
+                        rule = self.rule(use)
+                        bound = rule.rounding_bound(use.module, *for_rule(rule, a, g))
+                        if bound:
+                            self._bounds[use] = bound
         out = {}
         for name, uses in self.groups.items():
             present = [(u, attr) for u, attr in uses if u in records or u in per_module]

@@ -66,6 +66,7 @@ __all__ = [
     "ops_emulated",
     "round_down_bf16",
     "rounding_bound",
+    "row_norm_cache",
     "scaled_cross",
     "scaled_split",
     "split_bf16",
@@ -218,13 +219,42 @@ def one_gemm_sums(on: bool = True) -> Iterator[None]:
         _ONE_GEMM.reset(token)
 
 
+# The active cache of row norms, or None (see row_norm_cache).
+_ROW_NORMS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("row_norms", default=None)
+
+
+@contextlib.contextmanager
+def row_norm_cache() -> Iterator[None]:
+    """Within this block, :func:`rounding_bound` computes the row norms of a tensor once
+    (the q/k/v projections read one input, as do gate and up). The key is the tensor's
+    memory and layout (data pointer, shape, strides, dtype, device, version); the entry
+    holds the tensor, so that its memory cannot be reused by another while the cache lives."""
+    token = _ROW_NORMS.set({} if _ROW_NORMS.get() is None else _ROW_NORMS.get())
+    try:
+        yield
+    finally:
+        _ROW_NORMS.reset(token)
+
+
+def _row_norms(x: Tensor) -> Tensor:
+    cache = _ROW_NORMS.get()
+    key = None
+    if cache is not None:
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version)
+        hit = cache.get(key)
+        if hit is not None:
+            return hit[1]
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # float32 accumulation
+    if cache is not None:
+        cache[key] = (x, norms)
+    return norms
+
+
 def rounding_bound(x: Tensor, y: Tensor) -> Tensor:
     """u sum_t ||x_t|| ||y_t||, (B,) in float32, for rows x (B, T, p), y (B, T, d): divided
     by c'_i, a bound on how far rounding the scaled rows (either operand's) to bf16 moves
     example i's sum c'_i x_i^T y_i (module docstring). Norms accumulate in float32."""
-    nx = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # (B, T)
-    ny = torch.linalg.vector_norm(y, dim=-1, dtype=torch.float32)
-    return torch.linalg.vecdot(nx, ny).mul_(ROUNDING_UNIT)
+    return torch.linalg.vecdot(_row_norms(x), _row_norms(y)).mul_(ROUNDING_UNIT)
 
 
 def scaled_cross(x: Tensor, y: Tensor, factors: Tensor, scale_x: bool) -> Tensor:

@@ -3,7 +3,8 @@
 A tied Llama (hidden 256, 4 layers, vocab 8192; B 8, T 256 by default), full fine-tuning
 and LoRA r16 on the seven projections, under ``torch.autocast('cpu', bfloat16)``. For
 the non-private step and dptrain's book-keeping step (forward, per-example loss,
-backward; no optimizer) it reports, each against the non-private step:
+backward; no optimizer), with clipped sums of bf16 records exact (two bf16 GEMMs on
+CUDA, the default) and with ``sum_rounding="bounded"`` (one), it reports, each against the non-private step:
 
 - the share of matrix-product FLOPs (mm, addmm, bmm, baddbmm, linear) whose operands
   are float32: on a GPU those run on CUDA cores, not tensor cores. Two figures: as run
@@ -98,7 +99,11 @@ def _stepper(method: str, lora: bool, b: int, t: int):
 
     model = _model(lora)
     ids = torch.randint(0, 8192, (b, t), generator=torch.Generator().manual_seed(0))
-    engine = ClippingEngine(model, 1.0) if method == "dptrain-bk" else None
+    # dptrain-bk-bounded: clipped sums of bf16 records as one GEMM (sum_rounding="bounded")
+    rounding = "bounded" if method == "dptrain-bk-bounded" else "exact"
+    engine = (
+        ClippingEngine(model, 1.0, sum_rounding=rounding) if method.startswith("dptrain") else None
+    )
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -147,6 +152,29 @@ def _counts(method: str, lora: bool, b: int, t: int) -> dict:
     return out
 
 
+def _margin(lora: bool, b: int, t: int) -> tuple[float, float]:
+    """(mean, max) of 1 - c_bounded / c_exact over examples all clipped (C = 1e-6): how
+    much smaller sum_rounding="bounded" makes a clipped example's factor (R_i / ||g_i||
+    against ||g_i||: docs/engine.md, "Precision")."""
+    from dptrain.clipping import ClippingEngine
+
+    model = _model(lora)
+    ids = torch.randint(0, 8192, (b, t), generator=torch.Generator().manual_seed(0))
+    factors = {}
+    for rounding in ("exact", "bounded"):
+        engine = ClippingEngine(model, 1e-6, sum_rounding=rounding)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        losses = F.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
+        ).mean(1)
+        factors[rounding] = engine.backward(losses).factors
+        engine.detach()
+    shrink = 1 - factors["bounded"] / factors["exact"]
+    return float(shrink.mean()), float(shrink.max())
+
+
 def _peak_child(method: str, lora: bool, b: int, t: int) -> None:
     step = _stepper(method, lora, b, t)
     base = _rss_kib()  # resident now (the peak so far may lie in the imports)
@@ -188,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for lora in (False, True):
         rows = {}
-        for method in ("nonprivate", "dptrain-bk"):
+        for method in ("nonprivate", "dptrain-bk", "dptrain-bk-bounded"):
             rows[method] = _counts(method, lora, args.b, args.t)
             child = subprocess.run(
                 [
@@ -232,6 +260,12 @@ def main(argv: list[str] | None = None) -> None:
             kinds.append(f"{'LoRA r16' if lora else 'full'}: {top}")
     for line in kinds:
         print(f"aten ops the private steady step adds (here), {line}")
+    for lora in (False, True):
+        mean, worst = _margin(lora, args.b, args.t)
+        print(
+            f"{'LoRA r16' if lora else 'full'}: sum_rounding='bounded' makes a clipped "
+            f"example's factor smaller by {mean:.1%} on average (at most {worst:.1%})"
+        )
 
 
 if __name__ == "__main__":

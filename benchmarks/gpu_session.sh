@@ -91,9 +91,9 @@ say "## dptrain bench --gpu, one workload per call (limit ${BENCH_S}s)"
 # holds every method's model, gradients and AdamW state at once: the 1B model with float32
 # weights costs ~20 GB a method, so that row times book-keeping alone beside non-private.
 plan=(
-    "llama135m-full-bf16 dptrain-bk,dptrain-ghost,opacus-hooks"
-    "llama135m-full-autocast dptrain-bk,dptrain-ghost,opacus-hooks"
-    "llama1b-full-bf16 dptrain-bk,dptrain-ghost"
+    "llama135m-full-bf16 dptrain-bk,dptrain-bk-bounded,dptrain-ghost,opacus-hooks"
+    "llama135m-full-autocast dptrain-bk,dptrain-bk-bounded,dptrain-ghost,opacus-hooks"
+    "llama1b-full-bf16 dptrain-bk,dptrain-bk-bounded,dptrain-ghost"
     "llama1b-full-autocast dptrain-bk"
     "llama135m-lora-autocast dptrain-bk,dptrain-ghost,opacus-hooks,opacus-ghost"
     "llama1b-lora-autocast dptrain-bk,dptrain-ghost,opacus-hooks,opacus-ghost"

@@ -228,6 +228,7 @@ def make_private(
     clipping: str = "flat",
     mode: str = "book_keeping",
     norm_method: str = "auto",
+    sum_rounding: str = "exact",
     accountant: str = "pld",
     max_physical_batch_size: int | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -252,7 +253,8 @@ def make_private(
         epochs / steps: the training length (one of them).
         target_epsilon, target_delta: calibrate sigma so the planned steps meet them; or
         noise_multiplier: use this sigma (then target_delta is only for reporting).
-        clipping, mode, norm_method: see :class:`dptrain.clipping.ClippingEngine`.
+        clipping, mode, norm_method, sum_rounding: see
+            :class:`dptrain.clipping.ClippingEngine`.
         accountant: ``pld`` (default), ``rdp`` or ``gdp`` for calibration and reports.
         max_physical_batch_size: chunk size for memory (default: B).
         chunk_key: record index -> sort key (e.g. its length in tokens): each logical
@@ -307,6 +309,7 @@ def make_private(
             clipping=clipping,
             mode=mode,
             norm_method=norm_method,
+            sum_rounding=sum_rounding,
             accountant=accountant,
             max_physical_batch_size=max_physical_batch_size,
             collate_fn=collate_fn,
@@ -385,7 +388,12 @@ def make_private(
     check_optimizer_matches(model, optimizer)
     check_model_supported(model)
     engine = ClippingEngine(
-        model, max_grad_norm, clipping=clipping, mode=mode, norm_method=norm_method
+        model,
+        max_grad_norm,
+        clipping=clipping,
+        mode=mode,
+        norm_method=norm_method,
+        sum_rounding=sum_rounding,
     )
     ledger = ledger if ledger is not None else PrivacyLedger(privacy_unit=privacy_unit)
     if ledger.privacy_unit != privacy_unit:

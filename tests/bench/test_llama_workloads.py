@@ -99,10 +99,10 @@ def test_tiny_twins_train_in_their_precision(monkeypatch, tuning, precision):
         return out
 
     monkeypatch.setattr(workloads, "_logits", spy)
-    for method in ("nonprivate", "dptrain-bk"):
+    for method in ("nonprivate", "dptrain-bk", "dptrain-bk-bounded"):
         built = workloads.build_step(w, method, amp=amp)
         built.step()
-    assert seen == [torch.bfloat16, torch.bfloat16]  # bf16 weights or bf16 autocast
+    assert seen == [torch.bfloat16] * 3  # bf16 weights or bf16 autocast
 
 
 def test_cli_times_the_tiny_twins(tmp_path, capsys):

@@ -34,10 +34,19 @@ def clipped_sums(
     mode: str,
     clipping: str = "flat",
     units: Tensor | None = None,
+    sum_rounding: str = "exact",
+    norm_method: str = "auto",
 ) -> list[Tensor]:
     """The flattened noiseless clipped sum for each lambda (example ``index`` scaled; with
     ``units``, a privacy-unit id per example, every example of unit ``index``)."""
-    engine = ClippingEngine(model, max_grad_norm, mode=mode, clipping=clipping)
+    engine = ClippingEngine(
+        model,
+        max_grad_norm,
+        mode=mode,
+        clipping=clipping,
+        sum_rounding=sum_rounding,
+        norm_method=norm_method,
+    )
     params = engine.parameters()
     out = []
     try:
@@ -73,6 +82,7 @@ def sensitivity(
     clipping: str = "flat",
     slack: float = SLACK,
     units: Tensor | None = None,
+    sum_rounding: str = "exact",
 ) -> tuple[str, float]:
     """(REFUSED, nan) or (PRIVATE, max pairwise distance / C); asserts the bound.
 
@@ -87,6 +97,7 @@ def sensitivity(
             mode=mode,
             clipping=clipping,
             units=units,
+            sum_rounding=sum_rounding,
         )
     except UnsupportedModelError:
         return REFUSED, float("nan")

@@ -7,7 +7,7 @@ import torch
 from dptrain.clipping import ClippingEngine, flat_factors, oracle_norms, oracle_per_example_grads
 from dptrain.losses import per_example_cross_entropy
 from dptrain.models import GPT, GPTConfig
-from tests.clipping.sensitivity import PRIVATE, sensitivity
+from tests.clipping.sensitivity import PRIVATE, clipped_sums, sensitivity
 
 
 def test_bf16_autocast_matches_float32_oracle():
@@ -187,3 +187,142 @@ def test_bf16_unit_spanning_chunks_adds_its_clipped_sum_in_float32():
     for p, s in zip(engine.parameters(), after, strict=True):
         assert torch.equal(p.grad, s.to(torch.bfloat16))
     engine.detach()
+
+
+# -- sum_rounding="bounded": one bf16 GEMM per clipped sum, its rounding in the factors --
+
+
+@pytest.mark.parametrize(
+    ("mode", "clipping"),
+    [
+        ("book_keeping", "flat"),
+        ("ghost", "flat"),
+        ("book_keeping", "automatic"),
+        ("book_keeping", "per_layer"),
+    ],
+)
+@pytest.mark.parametrize("weights", ["bf16", "autocast"])
+def test_one_record_moves_a_one_gemm_bf16_sum_by_at_most_c(mode, clipping, weights):
+    b = 64
+    model = _tied_gpt(seed=0)
+    if weights == "bf16":
+        model = model.bfloat16()
+    ids = torch.randint(0, 30, (b, 9), generator=torch.Generator().manual_seed(b))
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def losses():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=weights == "autocast"):
+            logits = model(x)
+        return per_example_cross_entropy(logits.float(), y)
+
+    outcome, worst = sensitivity(
+        model,
+        losses,
+        1,
+        max_grad_norm=0.01,
+        mode=mode,
+        clipping=clipping,
+        slack=1e-6,
+        sum_rounding="bounded",
+    )
+    assert outcome == PRIVATE and worst > 0.9
+
+
+class _OneLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _cancelling_losses(b: int = 8, t: int = 255):
+    """A bf16 linear layer whose tokens' gradient terms cancel (tokens in triples with
+    equal inputs and output gradients summing to about zero): where rounding c g to bf16
+    moves a contribution the most relative to its norm (test_tensor_cores.py)."""
+    model = _OneLinear().bfloat16()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(b, t // 3, 1, 8, generator=gen).expand(-1, -1, 3, -1).reshape(b, t, 8)
+    y = torch.randn(b, t // 3, 3, 8, generator=gen)
+    y[:, :, 2] = -(y[:, :, 0] + y[:, :, 1]) * (1 + 1e-3)
+    x, y = x.bfloat16(), y.reshape(b, t, 8)
+
+    def losses():
+        return (model(x).float() * y).sum((1, 2))
+
+    return model, losses
+
+
+def _moved_from_removed(model, losses, c: float, norm_method: str) -> float:
+    """max over lambda of ||sum(lambda) - sum(0)|| / C: adding the record against leaving
+    it out. (Not pairwise, as sensitivity() compares: here the record's gradient at
+    different lambdas points in different directions, since its tokens' terms cancel to
+    what bf16 rounding of lambda g leaves.)"""
+    sums = clipped_sums(
+        model,
+        losses,
+        1,
+        max_grad_norm=c,
+        mode="book_keeping",
+        sum_rounding="bounded",
+        norm_method=norm_method,
+    )
+    return max(float((s - sums[0]).norm()) for s in sums[1:]) / c
+
+
+@pytest.mark.parametrize("norm_method", ["ghost", "auto"])
+def test_the_rounding_margin_is_what_keeps_a_one_gemm_sum_within_c(monkeypatch, norm_method):
+    model, losses = _cancelling_losses()
+    worst = _moved_from_removed(model, losses, 1e-3, norm_method)
+    # within C; far below it under ghost (the margin is many times the cancelled norm
+    # here: C / (||g|| + r) scales the record to C ||g|| / (||g|| + r))
+    assert 0.01 < worst <= 1 + 1e-6
+    # Without the margin in the factors, the same rounded sums leak (when the sum is
+    # formed from the record: ghost norm), so the check can fail.
+    from dptrain.clipping.sums import NormsAndSums
+
+    monkeypatch.setattr(NormsAndSums, "rounding_margins", lambda self: {})
+    leaked = _moved_from_removed(model, losses, 1e-3, norm_method)
+    if norm_method == "ghost":
+        assert leaked > 1.005  # float32 accumulation alone stays within 1e-6
+    else:  # 2 T^2 > 64 weights: instantiated, summed in float32, nothing rounds
+        assert leaked <= 1 + 1e-6
+
+
+def test_one_gemm_factors_absorb_the_margin_and_unclipped_examples_are_exact():
+    model, losses = _cancelling_losses()
+    sums, stats = {}, {}
+    for rounding in ("exact", "bounded"):
+        for c in (1e-3, 1e6):  # every example clipped; none clipped
+            # ghost norm: the sum comes from the record, where the rounding is
+            engine = ClippingEngine(model, c, sum_rounding=rounding, norm_method="ghost")
+            model.zero_grad(set_to_none=True)
+            stats[rounding, c] = engine.backward(losses())
+            sums[rounding, c] = engine.clipped_sum(model.lin.weight).clone()
+            engine.detach()
+    # factor 1: nothing is rounded, the same float32 products as the exact path
+    assert torch.equal(sums["exact", 1e6], sums["bounded", 1e6])
+    assert torch.equal(stats["bounded", 1e6].factors, torch.ones(8))
+    # clipped: c_i = C / (||g_i|| + r_i), r_i = 2^-8 sum_t ||a_t|| ||g_t||
+    norms = stats["bounded", 1e-3].norms
+    assert torch.equal(norms, stats["exact", 1e-3].norms)
+    from dptrain.clipping.tensor_cores import rounding_bound
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 85, 1, 8, generator=gen).expand(-1, -1, 3, -1).reshape(8, 255, 8)
+    y = torch.randn(8, 85, 3, 8, generator=gen)
+    y[:, :, 2] = -(y[:, :, 0] + y[:, :, 1]) * (1 + 1e-3)
+    g = y.reshape(8, 255, 8).bfloat16()  # the output gradients, as the record holds them
+    r = rounding_bound(a.bfloat16(), g)
+    want = 1e-3 / (norms + r)
+    assert torch.allclose(stats["bounded", 1e-3].factors, want, rtol=1e-6)
+    assert (r / norms > 0.05).all()  # cancelling tokens: a margin of several percent
+
+
+def test_an_unknown_sum_rounding_is_named():
+    with pytest.raises(
+        ValueError,
+        match=r"sum_rounding='fast' is not allowed: expected one of \['exact', 'bounded'\]",
+    ):
+        ClippingEngine(_OneLinear(), 1.0, sum_rounding="fast")

@@ -13,7 +13,9 @@ from dptrain.clipping.tensor_cores import (
     bmm_f32,
     flops_emulated,
     mm_f32,
+    one_gemm_sums,
     round_down_bf16,
+    rounding_bound,
     scaled_cross,
     scaled_split,
     split_bf16,
@@ -167,3 +169,76 @@ def test_clipped_sum_reads_the_factors_as_they_are_now():
     assert torch.equal(second.double(), first.double() * 0.5)  # halving is exact
     (two_d,) = scaled_split(x[:, 0], c)  # another shape: factors broadcast to it
     assert torch.equal(two_d.double(), want[:, 0])
+
+
+def test_one_gemm_sum_of_a_bf16_record_stays_within_its_rounding_bound():
+    # sum_rounding="bounded": c' g rounded to bf16 once, one GEMM. Each example's
+    # contribution moves from c'_i a_i^T g_i by at most c'_i times rounding_bound.
+    a, g = _cancelling_record()
+    module = torch.nn.Linear(8, 8, bias=False)
+    c = torch.tensor([0.3, 0.71, 0.9999, 1.0])
+    bound = LinearRule().rounding_bound(module, a, g)["weight"]
+    cr = round_down_bf16(c)
+    moved = []
+    for i in range(4):
+        with one_gemm_sums():
+            got = LinearRule().clipped_sum(module, a[i : i + 1], g[i : i + 1], c[i : i + 1])
+        want, scale = _exact(a[i : i + 1], g[i : i + 1], cr[i : i + 1])
+        n = a.shape[1]
+        gamma = n * 2**-24 / (1 - n * 2**-24)  # float32 accumulation, as in the exact path
+        dist = float((got["weight"].double() - want).norm())
+        assert dist <= float(cr[i]) * float(bound[i]) + float(gamma * scale.norm())
+        moved.append(dist / float(want.norm()))
+    # The rounding is real (not float32 noise) where the factor is below 1, and none is
+    # left where it is 1 (c' g = g: nothing to round).
+    assert min(moved[:3]) > 1e-3
+    assert moved[3] < 1e-5
+    # Outside one_gemm_sums the same call is exact: the bound is only ever used where
+    # the engine clipped with it.
+    got = LinearRule().clipped_sum(module, a, g, c)["weight"]
+    want, scale = _exact(a, g, cr)
+    n = a.shape[0] * a.shape[1]
+    assert ((got.double() - want).abs() <= n * 2**-23 * scale).all()
+
+
+def test_rounding_bound_is_u_times_the_sum_of_token_norm_products():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 7, 5, generator=gen).bfloat16()
+    y = torch.randn(3, 7, 4, generator=gen).bfloat16()
+    want = 2**-8 * (x.double().norm(dim=-1) * y.double().norm(dim=-1)).sum(1)
+    assert torch.allclose(rounding_bound(x, y).double(), want, rtol=1e-6)
+    assert LinearRule().rounding_bound(torch.nn.Linear(5, 4), x.float(), y.float()) == {}
+
+
+def test_one_gemm_sums_count_one_tensor_core_gemm():
+    x = torch.randn(2, 4, 8).bfloat16()
+    flops_emulated(reset=True, on=True)
+    try:
+        with one_gemm_sums():
+            scaled_cross(x, x, torch.rand(2), scale_x=True)
+        assert flops_emulated() == (2 * 2 * 4 * 8 * 8, 0)
+    finally:
+        flops_emulated(reset=True, on=False)
+
+
+def test_rounding_bounds_of_layers_sharing_an_input_read_its_norms_once(monkeypatch):
+    import dptrain.clipping.tensor_cores as tc
+
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(2, 5, 6, generator=gen).bfloat16()
+    g1, g2 = (torch.randn(2, 5, 3, generator=gen).bfloat16() for _ in range(2))
+    alone = [rounding_bound(a, g) for g in (g1, g2)]
+    calls = []
+    real = torch.linalg.vector_norm
+
+    def counted(x, *args, **kwargs):
+        calls.append(x)
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", counted)
+    with tc.row_norm_cache():
+        shared = [rounding_bound(a, g) for g in (g1, g2)]
+        a.add_(1)  # changed in place: its norms are read again
+        rounding_bound(a, g1)
+    assert all(torch.equal(x, y) for x, y in zip(alone, shared, strict=True))
+    assert [id(x) for x in calls] == [id(x) for x in (a, g1, g2, a)]

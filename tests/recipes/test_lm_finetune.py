@@ -465,6 +465,7 @@ def test_other_recipes_refuse_an_existing_run_folder_too(tmp_path, capsys):
         ({"format": "csv"}, "format='csv' is not allowed: expected one of ['auto'"),
         ({"optimizer": "lion"}, "optimizer='lion' is not allowed"),
         ({"clipping": "none"}, "clipping='none' is not allowed"),
+        ({"sum_rounding": "fast"}, "sum_rounding='fast' is not allowed"),
         ({"delta": 2.0}, "delta=2.0 is outside the allowed range"),
         ({"lora_r": 4, "lora_targets": ()}, "lora_targets=[] is not allowed"),
         ({"lora_r": -1}, "lora_r=-1 is not allowed"),

@@ -108,6 +108,7 @@ Record = StepRecord | MaxBatchRecord | AccountantRecord
 #: One colour per method in the chart: dptrain in blues/greens, Opacus in reds/oranges.
 _METHOD_COLORS = {
     "dptrain-bk": "#1f77b4",
+    "dptrain-bk-bounded": "#9467bd",
     "dptrain-ghost": "#17becf",
     "dptrain-instantiate": "#2ca02c",
     "opacus-hooks": "#d62728",

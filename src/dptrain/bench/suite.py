@@ -51,6 +51,7 @@ from dptrain.bench.report import (
 from dptrain.bench.timing import fix_threads, time_round_robin
 from dptrain.bench.workloads import (
     AMP_MODES,
+    DEFAULT_METHODS,
     GPU_WORKLOADS,
     METHODS,
     WORKLOADS,
@@ -133,7 +134,7 @@ class BenchOptions:
     warmup: int = 2
     steps: int = 9
     workloads: tuple[str, ...] = DEFAULT_WORKLOADS
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     parts: tuple[str, ...] = PARTS
     memory_steps: int = 3
     jobs: int = 1

@@ -53,6 +53,8 @@ multiplier 1 where private:
   ghost mode, and book-keeping with every Linear's per-example gradients
   instantiated (``norm_method="instantiate"``), with
   :class:`~dptrain.optim.DPOptimizer`;
+- ``dptrain-bk-bounded``: book-keeping with ``sum_rounding="bounded"`` (one bf16
+  GEMM per clipped sum of a bf16 record; only run when named);
 - ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch``: Opacus'
   ``PrivacyEngine.make_private`` in each ``grad_sample_mode`` (fixed batches,
   ``poisson_sampling=False``, loss reduction "mean"; ghost mode steps through
@@ -96,6 +98,7 @@ from dptrain.precision import AMP_MODES, amp_context, check_amp
 
 __all__ = [
     "AMP_MODES",
+    "DEFAULT_METHODS",
     "DPTRAIN_METHODS",
     "GPU_WORKLOADS",
     "INSTANTIATE_LIMIT_BYTES",
@@ -165,13 +168,17 @@ LLAMA_TINY = LlamaSize(32, 2, 4, 2, 64, 128)
 #: Skip ``dptrain-instantiate`` where its per-example gradients would need more than this.
 INSTANTIATE_LIMIT_BYTES = 6e9
 
-DPTRAIN_METHODS = ("dptrain-bk", "dptrain-ghost", "dptrain-instantiate")
+DPTRAIN_METHODS = ("dptrain-bk", "dptrain-bk-bounded", "dptrain-ghost", "dptrain-instantiate")
 OPACUS_METHODS = ("opacus-hooks", "opacus-ghost", "opacus-functorch")
 #: Every method, in report order.
 METHODS = ("nonprivate", *DPTRAIN_METHODS, *OPACUS_METHODS)
+#: What a suite runs unless told: dptrain-bk-bounded differs from dptrain-bk only on bf16
+#: records (one GEMM per clipped sum instead of two), so it is asked for by name.
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "dptrain-bk-bounded")
 
 _DPTRAIN_KWARGS: dict[str, dict[str, str]] = {
     "dptrain-bk": {"mode": "book_keeping"},
+    "dptrain-bk-bounded": {"mode": "book_keeping", "sum_rounding": "bounded"},
     "dptrain-ghost": {"mode": "ghost"},
     "dptrain-instantiate": {"mode": "book_keeping", "norm_method": "instantiate"},
 }

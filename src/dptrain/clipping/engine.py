@@ -95,6 +95,7 @@ from dptrain.clipping.units import UnitIndex, unit_index
 __all__ = [
     "CLIPPING_MODES",
     "NORM_METHODS",
+    "SUM_ROUNDINGS",
     "ClipStats",
     "ClippingEngine",
     "UnclippedGradientError",
@@ -105,6 +106,9 @@ __all__ = [
 CLIPPING_MODES = ("book_keeping", "ghost")
 #: How per-example norms of linear layers are computed.
 NORM_METHODS = ("auto", "ghost", "instantiate")
+#: How clipped sums of bf16 records are formed (tensor_cores.py): exactly (two GEMMs) or
+#: as one GEMM whose rounding the clip factors absorb.
+SUM_ROUNDINGS = ("exact", "bounded")
 
 
 @dataclass
@@ -155,6 +159,13 @@ class ClippingEngine:
         gamma: the stabiliser of automatic clipping.
         layer_max_grad_norms: per-layer thresholds {group name: C_l} for
             per-layer clipping; default C / sqrt(number of groups) each.
+        sum_rounding: for bf16 records of linear layers, ``"exact"`` (default: each
+            example's contribution is exactly c'_i grad_i, c'_i <= c_i; two bf16 GEMMs
+            on CUDA) or ``"bounded"`` (one bf16 GEMM on the rounded scaled operand; a
+            bound R_i on what rounding moves is added to the norm a scaled example is
+            clipped at, c_i = C / (||g_i|| + R_i), so one record still moves the sum by
+            at most C; clipped examples' factors are smaller by R_i / ||g_i||, a few
+            percent at T 128-512). docs/engine.md, "Precision".
     """
 
     def __init__(
@@ -167,8 +178,10 @@ class ClippingEngine:
         norm_method: str = "auto",
         gamma: float = 0.01,
         layer_max_grad_norms: dict[str, float] | None = None,
+        sum_rounding: str = "exact",
     ):
         self.max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+        _check_choice("sum_rounding", sum_rounding, SUM_ROUNDINGS)
         _check_choice("clipping", clipping, CLIPPING_FUNCTIONS)
         _check_choice("mode", mode, CLIPPING_MODES)
         _check_choice("norm_method", norm_method, NORM_METHODS)
@@ -187,6 +200,7 @@ class ClippingEngine:
         # ghost on a low-precision chunk) or by ghost's second backward; set per backward.
         self._sum_from_records = mode == "book_keeping"
         self.norm_method = norm_method
+        self.sum_rounding = sum_rounding
         self.gamma = check_positive("gamma", gamma)
         self._uses = self._plan(model)
         self._groups = self._group_params()
@@ -194,7 +208,7 @@ class ClippingEngine:
         self._batch_shape: tuple[int, ...] | None = None
         # Norms and weighted sums from each backward's records, with the per-example
         # gradients of instantiated modules kept for the sum (sums.py) ...
-        self._norms_sums = NormsAndSums(self._groups, norm_method)
+        self._norms_sums = NormsAndSums(self._groups, norm_method, sum_rounding)
         # ... and the modules whose per-example gradients are formed during the backward
         # as their output gradients arrive (streaming.py).
         shared = {id(self.parameter(n)) for n, uses in self._groups.items() if len(uses) > 1}
@@ -692,15 +706,19 @@ class ClippingEngine:
             self.clear()
             raise
         norms_sq = self._norms_sums.norms_sq(records, keep=self._sum_from_records)
+        # What rounding the sums may add, per example (sum_rounding="bounded"): clipped with
+        # the norm, so that the rounded contribution stays within C (tensor_cores.py).
+        margins = self._norms_sums.rounding_margins()
         if self.clipping == "per_layer":
-            factors, total = self._per_layer_factors(norms_sq, threshold)
+            factors, total = self._per_layer_factors(norms_sq, threshold, margins)
         else:
             total = (
                 torch.stack(list(norms_sq.values())).sum(0).sqrt()
                 if norms_sq
                 else torch.zeros(b)  # the losses did not depend on any clipped parameter
             )
-            factors = self.clip_factors(total, loss_scale)
+            margin = _root_sum_sq(margins.values())
+            factors = self.clip_factors(total, loss_scale, margin)
         if not self._sum_from_records:
             self.clear()
             weights = factors if index is None else factors[index.inverse.to(factors.device)]
@@ -713,14 +731,17 @@ class ClippingEngine:
         self._mark_grads()
         return ClipStats(total.detach() / loss_scale, factors.detach(), self.max_grad_norm)
 
-    def clip_factors(self, norms: Tensor, loss_scale: float = 1.0) -> Tensor:
-        """Flat or automatic clip factors for gradient norms (at C K, K the loss scale)."""
+    def clip_factors(
+        self, norms: Tensor, loss_scale: float = 1.0, margins: Tensor | None = None
+    ) -> Tensor:
+        """Flat or automatic clip factors for gradient norms (at C K, K the loss scale);
+        ``margins``: what the sums' rounding may add to each scaled example's norm."""
         if self.clipping == "per_layer":
             raise ValueError("clipping='per_layer' has a factor per group, not one per norm")
         threshold = self.max_grad_norm * loss_scale
         if self.clipping == "flat":
-            return flat_factors(norms, threshold)
-        return automatic_factors(norms, threshold, self.gamma * loss_scale)
+            return flat_factors(norms, threshold, margins)
+        return automatic_factors(norms, threshold, self.gamma * loss_scale, margins)
 
     def _regrouped(self, records, index: UnitIndex) -> dict[Use, tuple[Tensor, Tensor]]:
         """The records with one row per unit: its examples' tokens concatenated (units.py)."""
@@ -907,14 +928,26 @@ class ClippingEngine:
 
     # -- per-example gradients formed during the backward (streamed modules) -------------
 
-    def _per_layer_factors(self, norms_sq: dict[str, Tensor], threshold: float):
+    def _per_layer_factors(
+        self,
+        norms_sq: dict[str, Tensor],
+        threshold: float,
+        margins: dict[str, Tensor] | None = None,
+    ):
         scale = threshold / self.max_grad_norm
         group_sq: dict[str, Tensor] = {}
+        group_margins: dict[str, list[Tensor]] = {}
         for name, sq in norms_sq.items():
             gname = self._group_of(name, self._groups[name])
             group_sq[gname] = group_sq.get(gname, 0) + sq
+            if margins and name in margins:
+                group_margins.setdefault(gname, []).append(margins[name])
         factors = {
-            gname: flat_factors(sq.sqrt(), self.layer_max_grad_norms[gname] * scale)
+            gname: flat_factors(
+                sq.sqrt(),
+                self.layer_max_grad_norms[gname] * scale,
+                _root_sum_sq(group_margins.get(gname, ())),
+            )
             for gname, sq in group_sq.items()
         }
         total = torch.stack(list(group_sq.values())).sum(0).sqrt()
@@ -998,6 +1031,15 @@ class _CheckView:
 
     def probe(self, args: tuple, kwargs: dict) -> dict:
         return self._engine._probe_inputs(args, kwargs)
+
+
+def _root_sum_sq(parts: Iterable[Tensor]) -> Tensor | None:
+    """sqrt(sum_k r_k^2) elementwise over per-example bounds r_k; None for none. The
+    bounds of different parameters bound orthogonal parts of a gradient."""
+    total = None
+    for r in parts:
+        total = r.square() if total is None else total + r.square()
+    return None if total is None else total.sqrt()
 
 
 def _every_name(

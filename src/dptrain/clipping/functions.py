@@ -12,16 +12,32 @@ from torch import Tensor
 __all__ = ["CLIPPING_FUNCTIONS", "automatic_factors", "flat_factors"]
 
 
-def flat_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
-    """min(1, C / ||g_i||) (Abadi et al. 2016); an example with zero gradient keeps factor 1."""
-    return (max_grad_norm / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp(max=1.0)
+def flat_factors(norms: Tensor, max_grad_norm: float, margins: Tensor | None = None) -> Tensor:
+    """min(1, C / ||g_i||) (Abadi et al. 2016); an example with zero gradient keeps factor 1.
+
+    ``margins`` r_i: how far rounding may move a scaled example's contribution c_i g_i,
+    divided by c_i (tensor_cores.py). An example within C keeps factor 1 (exactly: its
+    sum is then not rounded); one above gets C / (||g_i|| + r_i), so that
+    c_i ||g_i|| + c_i r_i = C.
+    """
+    tiny = torch.finfo(norms.dtype).tiny
+    factors = (max_grad_norm / norms.clamp_min(tiny)).clamp(max=1.0)
+    if margins is None:
+        return factors
+    scaled = (max_grad_norm / (norms + margins.to(norms.dtype)).clamp_min(tiny)).clamp(max=1.0)
+    return torch.where(factors < 1.0, scaled, factors)
 
 
-def automatic_factors(norms: Tensor, max_grad_norm: float, gamma: float = 0.01) -> Tensor:
+def automatic_factors(
+    norms: Tensor, max_grad_norm: float, gamma: float = 0.01, margins: Tensor | None = None
+) -> Tensor:
     """C / (||g_i|| + gamma): automatic (normalised) clipping (Bu et al. 2023), used by DPFormer.
 
-    ||c_i g_i|| = C ||g_i|| / (||g_i|| + gamma) < C for gamma > 0.
+    ||c_i g_i|| = C ||g_i|| / (||g_i|| + gamma) < C for gamma > 0. With ``margins`` r_i
+    (see :func:`flat_factors`): C / (||g_i|| + r_i + gamma).
     """
+    if margins is not None:
+        norms = norms + margins.to(norms.dtype)
     return max_grad_norm / (norms + gamma)
 
 

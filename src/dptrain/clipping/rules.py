@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dptrain.clipping.precision import LOW_PRECISION, upcast
-from dptrain.clipping.tensor_cores import bmm_f32, mm_f32, scaled_cross
+from dptrain.clipping.tensor_cores import bmm_f32, mm_f32, rounding_bound, scaled_cross
 
 __all__ = [
     "RULES",
@@ -105,6 +105,12 @@ class LayerRule(abc.ABC):
         self, module: nn.Module, a: Tensor, g: Tensor, factors: Tensor
     ) -> dict[str, Tensor]:
         """{name: sum_i factors[i] * grad_i}, without per-example gradients where possible."""
+
+    def rounding_bound(self, module: nn.Module, a: Tensor, g: Tensor) -> dict[str, Tensor]:
+        """{name: (B,) b_i} for the parameters whose :meth:`clipped_sum` rounds the scaled
+        record within ``tensor_cores.one_gemm_sums()``: example i's contribution then lies
+        within c_i b_i of c_i grad_i. Default: none (sums that do not round)."""
+        return {}
 
     def ghost_is_cheaper(self, module: nn.Module, a: Tensor, g: Tensor) -> bool:
         """For ``norm_choice == "either"``: whether the ghost norm is the cheaper way."""
@@ -256,6 +262,13 @@ class LinearRule(LayerRule):
         if _trainable(getattr(module, "bias", None)):
             out["bias"] = upcast(g).sum(1).pow(2).sum(1)
         return out
+
+    def rounding_bound(self, module, a, g):
+        # the bias's sum is float32 (no rounding); the weight's rounds a bf16 record's
+        # scaled operand in one_gemm_sums (tensor_cores.scaled_cross)
+        if not (_trainable(module.weight) and a.dtype == g.dtype == torch.bfloat16):
+            return {}
+        return {"weight": rounding_bound(_flatten_tokens(a), _flatten_tokens(g))}
 
     def clipped_sum(self, module, a, g, factors):
         a, g = _flatten_tokens(a), _flatten_tokens(g)

@@ -35,6 +35,7 @@ from dptrain.clipping.rules import (
     weighted_sum,
 )
 from dptrain.clipping.streaming import PerExampleGrads
+from dptrain.clipping.tensor_cores import one_gemm_sums, row_norm_cache
 
 __all__ = ["NormsAndSums", "is_tied"]
 
@@ -61,11 +62,23 @@ class NormsAndSums:
             parameter has several.
         norm_method: ``"auto"`` (the rule's cost comparison), ``"ghost"`` or
             ``"instantiate"`` for layers that can do either.
+        sum_rounding: ``"exact"``: a bf16 record's sum scales exactly (two GEMMs);
+            ``"bounded"``: one GEMM on the rounded scaled operand, its rounding bounded
+            per example (:meth:`rounding_margins`, for the clip factors to absorb).
     """
 
-    def __init__(self, groups: dict[str, list[tuple[Use, str]]], norm_method: str):
+    def __init__(
+        self,
+        groups: dict[str, list[tuple[Use, str]]],
+        norm_method: str,
+        sum_rounding: str = "exact",
+    ):
         self.groups = groups
         self.norm_method = norm_method
+        self.sum_rounding = sum_rounding
+        # This backward's rounding bounds {use: {attr: (B,)}}: the modules whose sums
+        # round (one_gemm_sums), and only those, since the factors absorbed them.
+        self._bounds: dict[Use, dict[str, Tensor]] = {}
         self.per_example: dict[Use, dict[str, Tensor]] = PerExampleGrads()
         """Per-example gradients {name: (B, *shape)} by module: formed during the backward
         for streamed modules, or for the norm of an instantiated one (kept for the sum)."""
@@ -84,6 +97,7 @@ class NormsAndSums:
     def clear(self) -> None:
         self.per_example = PerExampleGrads()
         self.views = {}
+        self._bounds = {}
 
     def rule(self, use: Use) -> LayerRule:
         """The rule that reads ``use``'s record: its own, or an unfolded view of it."""
@@ -121,6 +135,15 @@ class NormsAndSums:
             for use, (a, g) in records.items():
                 if id(use) not in self._tied_only:
                     per_module[use] = self._module_norms_sq(use, a, g, keep)
+        self._bounds = {}
+        if self.sum_rounding == "bounded" and keep:
+            with row_norm_cache():  # inputs shared by several layers: their norms once
+                for use, (a, g) in records.items():
+                    if use not in self.per_example:  # its sum comes from the record
+                        rule = self.rule(use)
+                        bound = rule.rounding_bound(use.module, *for_rule(rule, a, g))
+                        if bound:
+                            self._bounds[use] = bound
         out = {}
         for name, uses in self.groups.items():
             present = [(u, attr) for u, attr in uses if u in records or u in per_module]
@@ -133,6 +156,22 @@ class NormsAndSums:
                 out[name] = _tied_norm_sq(present, records)
             else:
                 out[name] = self._shared_per_example(present, records).flatten(1).pow(2).sum(1)
+        return out
+
+    def rounding_margins(self) -> dict[str, Tensor]:
+        """Parameter name -> (B,) r_i: how far, at most, the rounding of this backward's
+        sums moves example i's contribution to that parameter, divided by c_i (the bounds
+        of its uses whose sums round, added). Empty unless ``sum_rounding="bounded"`` and
+        some record is bf16. The engine clips ||g_i|| + sqrt(sum r_i^2) instead of
+        ||g_i|| for an example it scales (docs/engine.md, "Precision")."""
+        out: dict[str, Tensor] = {}
+        for name, uses in self.groups.items():
+            if len(uses) > 1 and not is_tied(uses):
+                continue  # summed from per-example gradients in float32: no rounding
+            for u, attr in uses:
+                bound = self._bounds.get(u, {}).get(attr)
+                if bound is not None:
+                    out[name] = bound if name not in out else out[name] + bound
         return out
 
     def _held_norms_sq(self) -> dict[Use, dict[str, Tensor]]:
@@ -220,7 +259,9 @@ class NormsAndSums:
                 key = (u, id(c))
                 if key not in sums:
                     a, g = for_rule(self.rule(u), *records[u])
-                    sums[key] = self.rule(u).clipped_sum(u.module, a, g, c)
+                    # one rounded GEMM only where the factors absorbed this record's bound
+                    with one_gemm_sums(u in self._bounds):
+                        sums[key] = self.rule(u).clipped_sum(u.module, a, g, c)
                 part = sums[key][attr]
             grad = part if grad is None else grad + part
         return grad

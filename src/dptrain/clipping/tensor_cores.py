@@ -31,9 +31,26 @@ implementation also has, and which every float32 DP implementation leaves out of
 its bound: relative 2^-24 per addition). The one exception: a lo part below
 bf16's normal range (|c g| < 2^-118) loses bits, an absolute error below 2^-126
 per entry. docs/engine.md, "Precision", states the argument.
+
+**One GEMM, its rounding bounded** (``sum_rounding="bounded"``, :func:`one_gemm_sums`):
+the scaled operand c'_i x_t is rounded to bf16 once (round to nearest: each entry moves
+by at most u = 2^-8 of itself) and the sum is one bf16 GEMM. Example i's contribution is
+then c'_i a_i^T g_i + E_i with
+
+    ||E_i||_F = ||sum_t e_t y_t^T||_F <= sum_t ||e_t|| ||y_t|| <= u c'_i sum_t ||x_t|| ||y_t||,
+
+(e_t the rounding of token t's scaled row, y_t the other operand's row): not bounded by
+the clipped norm, but by a figure known before the factors are (:func:`rounding_bound`),
+which the engine adds to the norm it clips (c_i = C / (||g_i|| + R_i) for a clipped
+example, R_i the bounds' root sum of squares over parameters), so that one record still
+moves the sum by at most C. An example with factor 1 is not rounded at all.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -41,11 +58,15 @@ from torch import Tensor
 from dptrain.clipping.precision import LOW_PRECISION, upcast
 
 __all__ = [
+    "ROUNDING_UNIT",
     "bmm_f32",
     "flops_emulated",
     "mm_f32",
+    "one_gemm_sums",
     "ops_emulated",
     "round_down_bf16",
+    "rounding_bound",
+    "row_norm_cache",
     "scaled_cross",
     "scaled_split",
     "split_bf16",
@@ -176,11 +197,79 @@ def split_bf16(scaled: Tensor) -> tuple[Tensor, Tensor]:
     return hi, lo
 
 
+#: Round to nearest bf16 moves a value (in bf16's normal range) by at most this much of
+#: itself: half a unit in the last of 8 significant bits.
+ROUNDING_UNIT = 2.0**-8
+
+# Whether scaled_cross forms the sum of a bf16 record as one GEMM (its rounding bounded by
+# rounding_bound and absorbed by the clip factors): only within one_gemm_sums(True).
+_ONE_GEMM: contextvars.ContextVar[bool] = contextvars.ContextVar("one_gemm", default=False)
+
+
+@contextlib.contextmanager
+def one_gemm_sums(on: bool = True) -> Iterator[None]:
+    """Within this block, :func:`scaled_cross` on bf16 rows rounds the scaled operand to
+    bf16 and runs one GEMM. Only for sums whose clip factors absorbed
+    :func:`rounding_bound` of the same record: the engine enters it per module, for the
+    modules whose bounds it added (sums.py)."""
+    token = _ONE_GEMM.set(on)
+    try:
+        yield
+    finally:
+        _ONE_GEMM.reset(token)
+
+
+# The active cache of row norms, or None (see row_norm_cache).
+_ROW_NORMS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("row_norms", default=None)
+
+
+@contextlib.contextmanager
+def row_norm_cache() -> Iterator[None]:
+    """Within this block, :func:`rounding_bound` computes the row norms of a tensor once
+    (the q/k/v projections read one input, as do gate and up). The key is the tensor's
+    memory and layout (data pointer, shape, strides, dtype, device, version); the entry
+    holds the tensor, so that its memory cannot be reused by another while the cache lives."""
+    token = _ROW_NORMS.set({} if _ROW_NORMS.get() is None else _ROW_NORMS.get())
+    try:
+        yield
+    finally:
+        _ROW_NORMS.reset(token)
+
+
+def _row_norms(x: Tensor) -> Tensor:
+    cache = _ROW_NORMS.get()
+    key = None
+    if cache is not None:
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version)
+        hit = cache.get(key)
+        if hit is not None:
+            return hit[1]
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # float32 accumulation
+    if cache is not None:
+        cache[key] = (x, norms)
+    return norms
+
+
+def rounding_bound(x: Tensor, y: Tensor) -> Tensor:
+    """u sum_t ||x_t|| ||y_t||, (B,) in float32, for rows x (B, T, p), y (B, T, d): divided
+    by c'_i, a bound on how far rounding the scaled rows (either operand's) to bf16 moves
+    example i's sum c'_i x_i^T y_i (module docstring). Norms accumulate in float32."""
+    return torch.linalg.vecdot(_row_norms(x), _row_norms(y)).mul_(ROUNDING_UNIT)
+
+
 def scaled_cross(x: Tensor, y: Tensor, factors: Tensor, scale_x: bool) -> Tensor:
     """sum_i c_i x_i^T y_i, (p, d), in float32, for low-precision rows x (B, T, p) and
     y (B, T, d): one operand (x if ``scale_x``, else y) scaled by the factors rounded down
     (:func:`scaled_split`), so that each example's contribution is exactly c'_i x_i^T y_i
-    up to float32 accumulation."""
+    up to float32 accumulation; within :func:`one_gemm_sums` and for bf16 rows, that
+    operand rounded to bf16 and one GEMM (the contribution within :func:`rounding_bound`
+    times c'_i of it)."""
+    if _ONE_GEMM.get() and x.dtype == y.dtype == torch.bfloat16:
+        # c' x is exact in float32 (8 x 8 significant bits); .to() is the one rounding
+        # the bound covers
+        rounded = torch.mul(x if scale_x else y, _rounded_rows(factors, x)).to(torch.bfloat16)
+        left, right = (rounded, y) if scale_x else (x, rounded)
+        return mm_f32(left.flatten(0, 1).T, right.flatten(0, 1))
     parts = scaled_split(x if scale_x else y, factors)
     total = None
     for part in parts:

@@ -83,7 +83,7 @@ from dptrain.accounting import (
     make_accountant,
     steps_from_epochs,
 )
-from dptrain.clipping.engine import CLIPPING_MODES
+from dptrain.clipping.engine import CLIPPING_MODES, SUM_ROUNDINGS
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS
 from dptrain.clipping.precision import upcast
 from dptrain.config import save_config
@@ -208,6 +208,8 @@ class LMFinetuneConfig:
     """Clipping function: ``flat`` (clip to C), ``automatic`` (normalize, Bu et al.) or ``per_layer``."""
     mode: str = "book_keeping"
     """How per-example gradients are clipped: ``book_keeping`` (one backward pass) or ``ghost`` (two, less memory)."""
+    sum_rounding: str = "exact"
+    """Clipped sums of bf16 layers (``amp=bf16``): ``exact`` (two bf16 GEMMs each on CUDA) or ``bounded`` (one; clipped examples' factors absorb the rounding, a few percent smaller: docs/engine.md "Precision")."""
     # optimisation
     optimizer: str = "adamw"
     """``adamw``, ``adam`` or ``sgd``."""
@@ -295,6 +297,7 @@ class LMFinetuneConfig:
         check_choice("accountant", self.accountant, tuple(ACCOUNTANTS))
         check_choice("clipping", self.clipping, CLIPPING_FUNCTIONS)
         check_choice("mode", self.mode, CLIPPING_MODES)
+        check_choice("sum_rounding", self.sum_rounding, SUM_ROUNDINGS)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_amp(self.amp)
@@ -664,6 +667,7 @@ def _batches_and_optimizer(cfg: LMFinetuneConfig, s: _Setup, ledger: PrivacyLedg
         target_delta=s.delta,
         clipping=cfg.clipping,
         mode=cfg.mode,
+        sum_rounding=cfg.sum_rounding,
         accountant=cfg.accountant,
         max_physical_batch_size=cfg.max_physical_batch_size,
         collate_fn=collate,
@@ -861,6 +865,7 @@ def train_lm(cfg: LMFinetuneConfig) -> dict[str, Any]:
         "max_grad_norm": cfg.max_grad_norm,
         "clipping": cfg.clipping,
         "mode": cfg.mode,
+        "sum_rounding": cfg.sum_rounding,
         "amp": cfg.amp,
         "optimizer": cfg.optimizer,
         "lr": cfg.lr,

@@ -37,6 +37,7 @@ NOISE = {"noise_multiplier": 1.0, "target_delta": 1e-5}
         ({**NOISE, "max_grad_norm": 0.0}, "max_grad_norm=0.0"),
         ({**NOISE, "clipping": "hard"}, "clipping='hard'"),
         ({**NOISE, "mode": "opacus"}, "mode='opacus'"),
+        ({**NOISE, "sum_rounding": "fast"}, "sum_rounding='fast'"),
         ({**NOISE, "accountant": "moments"}, "accountant='moments'"),
         ({**NOISE, "clipping": "per_layer", "mode": "ghost"}, "per_layer"),
         ({**NOISE, "group_by": "user_id", "privacy_unit": "example"}, "privacy_unit='example'"),

@@ -220,3 +220,17 @@ def test_the_plan_is_printed_before_the_first_step_and_the_bar_shows_epsilon(tmp
     assert curve is not None and curve(3) >= trainer.epsilon() - 1e-9
     assert all(curve(t) > 0 for t in (1, 2, 3))
     assert f"eps=<={curve(3):.2f}" in capsys.readouterr().err
+
+
+def test_sum_rounding_reaches_the_clipping_engine(tmp_path):
+    privacy = PrivacyArguments(
+        target_delta=1e-5, noise_multiplier=1.0, seed=SEED, sum_rounding="bounded"
+    )
+    trainer = DPTrainer(
+        model=tiny.llama(),
+        args=tiny.training_args(str(tmp_path), max_steps=1),
+        train_dataset=tiny.lm_records(40),
+        privacy_args=privacy,
+    )
+    trainer.create_optimizer()
+    assert trainer.privacy.engine.sum_rounding == "bounded"

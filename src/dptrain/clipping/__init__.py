@@ -4,6 +4,7 @@ from dptrain.clipping.conv_rules import ConvRule, GroupNormRule
 from dptrain.clipping.engine import (
     CLIPPING_MODES,
     NORM_METHODS,
+    SUM_ROUNDINGS,
     ClippingEngine,
     ClipStats,
     UnclippedGradientError,
@@ -35,6 +36,7 @@ __all__ = [
     "NORM_METHODS",
     "RULES",
     "RULES_BY_NAME",
+    "SUM_ROUNDINGS",
     "ClipStats",
     "ClippingEngine",
     "Conv1DRule",

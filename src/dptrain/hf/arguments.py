@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from dptrain._checks import check_delta, check_int, check_positive
 from dptrain.accounting.accountants import ACCOUNTANTS
-from dptrain.clipping import CLIPPING_FUNCTIONS, CLIPPING_MODES
+from dptrain.clipping import CLIPPING_FUNCTIONS, CLIPPING_MODES, SUM_ROUNDINGS
 from dptrain.hf.errors import PrivacyArgumentsError
 
 __all__ = ["DEFAULT_MAX_NOISE_MULTIPLIER", "LOSS_REDUCTIONS", "PrivacyArguments"]
@@ -72,6 +72,15 @@ class PrivacyArguments:
     mode: str = field(
         default="book_keeping",
         metadata={"help": "Clipping engine mode.", "choices": sorted(CLIPPING_MODES)},
+    )
+    sum_rounding: str = field(
+        default="exact",
+        metadata={
+            "help": "Clipped sums of bf16 layers: 'exact' (two bf16 GEMMs each on CUDA) or "
+            "'bounded' (one; clipped examples' factors absorb the rounding and are a few "
+            "percent smaller: docs/engine.md, Precision).",
+            "choices": list(SUM_ROUNDINGS),
+        },
     )
     accountant: str = field(
         default="pld",
@@ -158,6 +167,7 @@ class PrivacyArguments:
             raise PrivacyArgumentsError(str(exc)) from None
         _choice("clipping", self.clipping, CLIPPING_FUNCTIONS)
         _choice("mode", self.mode, CLIPPING_MODES)
+        _choice("sum_rounding", self.sum_rounding, SUM_ROUNDINGS)
         _choice("accountant", self.accountant, ACCOUNTANTS)
         _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         if self.clipping == "per_layer" and self.mode == "ghost":

@@ -667,7 +667,11 @@ class DPTrainer(Trainer):
         """
         plan = self.privacy_plan
         engine = ClippingEngine(
-            self.model, plan.max_grad_norm, clipping=plan.clipping, mode=plan.mode
+            self.model,
+            plan.max_grad_norm,
+            clipping=plan.clipping,
+            mode=plan.mode,
+            sum_rounding=self.privacy_args.sum_rounding,
         )
         if self._sharded:
             # as training will clip it (a collective: every rank probes the same record)
@@ -720,6 +724,7 @@ class DPTrainer(Trainer):
             "target_delta": plan.target_delta,
             "clipping": plan.clipping,
             "mode": plan.mode,
+            "sum_rounding": self.privacy_args.sum_rounding,
             "accountant": plan.accountant,
             "max_physical_batch_size": plan.physical_batch_size,
             "collate_fn": self._training_collator(),

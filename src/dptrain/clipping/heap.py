@@ -41,8 +41,9 @@ def release_free_memory() -> None:
     ``malloc_trim(0)``, which since glibc 2.8 releases free pages anywhere in the heap,
     not only at its top). Freed memory only: no tensor is touched. A no-op without glibc.
 
-    About a millisecond per call; called after each of a checked chunk's passes, not
-    on the chunks that follow (they run no such passes).
+    Milliseconds per call (2-47 ms on ``dpformer-B128-T50-tied``'s 700 MB process on a
+    loaded 2-core machine: 21 calls, 0.35 s of a 31 s first step); called after each of
+    a checked chunk's passes, not on the chunks that follow (they run no such passes).
     """
     trim = _malloc_trim()
     if trim is not None:

@@ -244,9 +244,9 @@ class Slots:
 
     The buffer is (b, total): example i's gradients of every streamed parameter side by
     side in row i, a parameter's slot a block of columns. The weighted sums of all slots
-    are then one matrix-vector product, and their squared norms one split of the buffer
-    (:meth:`weighted_sums`, :meth:`squared_norms`), where per parameter each took 3-4 aten
-    ops (hundreds of launches a step for LoRA).
+    are then one matrix-vector product, and their squared norms one reduction per run of
+    equal-sized slots (:meth:`weighted_sums`, :meth:`squared_norms`), where per parameter
+    each took 3-4 aten ops (hundreds of launches a step for LoRA).
     """
 
     def __init__(self, uses: list[Use], b: int):

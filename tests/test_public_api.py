@@ -38,6 +38,7 @@ MODULES = [
     "dptrain.clipping.separation",
     "dptrain.clipping.check_interface",
     "dptrain.clipping.errors",
+    "dptrain.clipping.heap",
     "dptrain.clipping.decisions",
     "dptrain.clipping.grad_store",
     "dptrain.clipping.state",

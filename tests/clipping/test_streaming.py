@@ -279,17 +279,24 @@ def test_one_unit_of_streamed_lora_moves_the_clipped_sum_by_at_most_c(mode):
         assert outcome == PRIVATE
 
 
-def test_streamed_buffer_gives_each_parameters_weighted_sum_and_norms():
+@pytest.mark.parametrize("run", [1 << 22, 8])
+def test_streamed_buffer_gives_each_parameters_weighted_sum_and_norms(run, monkeypatch):
     """Slots: one (b, total) buffer; its weighted sums (one product) and squared norms
-    are each streamed parameter's own, and a slot replaced out of place is not read."""
+    (one reduction per run of equal-sized slots; ``run`` 8: one slot per run) are each
+    streamed parameter's own, and a slot replaced out of place is not read."""
+    from dptrain.clipping import streaming
     from dptrain.clipping.records import Use
     from dptrain.clipping.rules import LinearRule, NormLayerRule
     from dptrain.clipping.streaming import Slots
 
+    monkeypatch.setattr(streaming, "_NORM_RUN", run)
     b = 5
     lin, norm = nn.Linear(3, 4), nn.LayerNorm(4)
     uses = [Use("lin", lin, LinearRule()), Use("norm", norm, NormLayerRule())]
     slots = Slots(uses, b)
+    # three slots of 4 entries (lin.bias, norm.weight, norm.bias) share a run unless
+    # the run is capped
+    assert len(slots.runs) == (2 if run > b * 12 else 4)
     gen = torch.Generator().manual_seed(0)
     grads = {
         uses[0]: {"weight": torch.randn(b, 4, 3, generator=gen), "bias": torch.randn(b, 4)},

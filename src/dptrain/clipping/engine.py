@@ -529,7 +529,9 @@ class ClippingEngine:
             use.calls.append(
                 Call(
                     index=call_index,
-                    a=a.detach(),
+                    # without its graph; one that has none (ids, autocast's copy) as it is:
+                    # a detach is an aten op per call and step, for no change
+                    a=a.detach() if a.requires_grad else a,
                     edge=edge,
                     out_shape=out_shape,
                     in_nodes=in_nodes,

@@ -60,6 +60,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptrain.clipping.errors import UnsupportedModelError
+from dptrain.clipping.heap import release_free_memory
 from dptrain.clipping.precision import tolerance_dtypes
 from dptrain.clipping.separation import separating_masks
 
@@ -109,6 +110,7 @@ def run(engine: Reruns, uses, b: int) -> None:
     with _replays(engine.model, engine.root_random_state) as restart:
         restart()
         base = engine.probe(*tree)
+        release_free_memory()  # the re-run's activations: freed, still resident (heap.py)
         for mask in separating_masks(b):
             replaced = _replaced(tree, mask, b)
             if replaced is None:  # the examples outside are copies of those inside
@@ -127,6 +129,7 @@ def run(engine: Reruns, uses, b: int) -> None:
                     stacklevel=4,
                 )
                 return
+            release_free_memory()
             members = mask.nonzero().flatten().tolist()
             for use in uses:
                 want, have = base.get(use, []), got.get(use, [])

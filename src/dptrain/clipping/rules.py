@@ -154,9 +154,12 @@ def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
     # both allow it
     joint = _halves_view(x) and _halves_view(y)
     total = None
+    b = x.shape[0]
     blocks = zip(_gram_blocks_cached(x, joint), _gram_blocks(y, joint), strict=True)
     for (weight, gx), (_, gy) in blocks:
-        part = (gx * gy).sum((1, 2))
+        prod = gx * gy
+        # the joint diagonal blocks are (2B, T/2, T/2), each example's two in a row
+        part = prod.sum((1, 2)) if prod.shape[0] == b else prod.view(b, -1).sum(1)
         if total is None:
             total = part if weight == 1 else part * weight
         else:
@@ -170,10 +173,12 @@ def _halves_view(x: Tensor) -> bool:
 
 
 def _gram_blocks(x: Tensor, joint: bool) -> list[tuple[int, Tensor]]:
-    """[(weight, Gram blocks of each example, (B, m, n))]: x x^T whole below
-    _HALF_GRAM_MIN_TOKENS tokens, else the blocks 11 and 22 (weight 1) and 12 (weight 2)
-    of its 2 x 2 split along tokens, 11 and 22 from one product where ``joint``
-    (:func:`_halves_view`); float32 (or float64) for a low-precision x (tensor_cores.py)."""
+    """[(weight, Gram blocks of each example, (B k, m, n), example-major)]: x x^T whole
+    below _HALF_GRAM_MIN_TOKENS tokens, else the blocks 11 and 22 (weight 1) and 12
+    (weight 2) of its 2 x 2 split along tokens, 11 and 22 from one product where
+    ``joint`` (:func:`_halves_view`; then k = 2, the pair as that product gives it: a
+    view per pair of Grams in :func:`_gram_inner`, not one per Gram); float32 (or
+    float64) for a low-precision x (tensor_cores.py)."""
     b, t = x.shape[:2]
     if t < _HALF_GRAM_MIN_TOKENS:
         return [(1, bmm_f32(x, x.transpose(1, 2)))]
@@ -181,10 +186,10 @@ def _gram_blocks(x: Tensor, joint: bool) -> list[tuple[int, Tensor]]:
     x1, x2 = x[:, :h], x[:, h:]
     off = (2, bmm_f32(x1, x2.transpose(1, 2)))
     if joint:
-        # Both diagonal blocks in one batched product, each example's two stacked:
-        # (B, T, T/2).
+        # Both diagonal blocks in one batched product, each example's two in a row:
+        # (2B, T/2, T/2).
         halves = x.view(2 * b, h, x.shape[2])
-        return [(1, bmm_f32(halves, halves.transpose(1, 2)).view(b, t, h)), off]
+        return [(1, bmm_f32(halves, halves.transpose(1, 2))), off]
     return [
         (1, bmm_f32(x1, x1.transpose(1, 2))),
         (1, bmm_f32(x2, x2.transpose(1, 2))),

@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
 from dptrain.clipping.errors import UnsupportedModelError
+from dptrain.clipping.heap import release_free_memory
 from dptrain.clipping.precision import tolerance_dtypes
 from dptrain.clipping.separation import separating_masks
 
@@ -99,6 +100,8 @@ def run(engine: Sums, losses: Tensor, calls, grads, records, parts) -> None:
                 engine, losses, calls, mask, names, retain=retain, records=records, dtype=dtype
             )
         )
+        # its gradients are freed; returned to the OS before the next pass (heap.py)
+        release_free_memory()
     _check_sums(engine, names, gaps, tol, losses.device)
 
 

@@ -33,6 +33,10 @@ from dptrain.clipping.rules import LayerRule, _param, _trainable
 
 __all__ = ["PerExampleGrads", "Slots", "Streaming", "streamable_uses"]
 
+#: At most this many entries (b x slot size x slots) per run of equal-sized slots
+#: (Slots): the temporary of a run's squared norms, 16 MB in float32.
+_NORM_RUN = 1 << 22
+
 
 def streamable_uses(uses: list[Use], shared: set[int]) -> set[Use]:
     """Modules whose per-example gradients may be formed during the backward: a written
@@ -240,22 +244,37 @@ class Slots:
 
     The buffer is (b, total): example i's gradients of every streamed parameter side by
     side in row i, a parameter's slot a block of columns. The weighted sums of all slots
-    are then one matrix-vector product, and their squared norms one split of the buffer
-    (:meth:`weighted_sums`, :meth:`squared_norms`), where per parameter each took 3-4 aten
-    ops (hundreds of launches a step for LoRA).
+    are then one matrix-vector product, and their squared norms one reduction per run of
+    equal-sized slots (:meth:`weighted_sums`, :meth:`squared_norms`), where per parameter
+    each took 3-4 aten ops (hundreds of launches a step for LoRA).
     """
 
     def __init__(self, uses: list[Use], b: int):
         self.b = b
-        self.slots: dict[tuple[Use, str], int] = {}  # columns, in the buffer's order
+        sizes: dict[tuple[Use, str], int] = {}
         for use in uses:
             for name in use.rule.param_names:
                 p = _param(use.module, name)
                 if _trainable(p):
-                    self.slots[(use, name)] = p.numel()
+                    sizes[(use, name)] = p.numel()
+        # Equal-sized slots side by side, in runs of at most _NORM_RUN entries: a run's
+        # squared norms are one reduction over its (b, n, size) view, where a pow and a
+        # sum per slot made 50 of the 1,550 aten ops of a Llama step (full fine-tuning,
+        # docs/engine_benchmark.md). The run bounds that reduction's temporary.
+        by_size: dict[int, list[tuple[Use, str]]] = {}
+        for key, n in sizes.items():
+            by_size.setdefault(n, []).append(key)
+        self.runs: list[tuple[list[tuple[Use, str]], int]] = []
+        for n, keys in by_size.items():
+            per_run = max(1, _NORM_RUN // max(1, b * n))
+            self.runs += [(keys[i : i + per_run], n) for i in range(0, len(keys), per_run)]
+        self.slots: dict[tuple[Use, str], int] = {  # columns, in the buffer's order
+            key: n for keys, n in self.runs for key in keys
+        }
         self.numel = sum(self.slots.values())
         self.buffer: Tensor | None = None
         self.blocks: dict[tuple[Use, str], Tensor] = {}
+        self._run_views: list[Tensor] = []  # (b, n, size) per run
         # the view of its slot handed out per (use, name): whether a per-example gradient
         # still lives in the buffer (a checked chunk replaces it out of place)
         self.views: dict[tuple[Use, str], Tensor] = {}
@@ -265,10 +284,7 @@ class Slots:
         out = {}
         for name, v in grads.items():
             if self.buffer is None:
-                self.buffer = v.new_empty(self.b, self.numel)
-                # every slot's columns, (b, n) each: one split, not a slice per slot
-                blocks = self.buffer.split(list(self.slots.values()), 1)
-                self.blocks = dict(zip(self.slots, blocks, strict=True))
+                self._allocate(v)
             n = self.slots.get((use, name), -1)
             if (
                 n * self.b != v.numel()
@@ -283,6 +299,18 @@ class Slots:
             self.views[(use, name)] = out[name]
         return out
 
+    def _allocate(self, like: Tensor) -> None:
+        self.buffer = like.new_empty(self.b, self.numel)
+        # every slot's columns, (b, size) each: one split into runs and one unbind per
+        # run, not a slice per slot
+        pieces = self.buffer.split([len(keys) * n for keys, n in self.runs], 1)
+        self._run_views = [
+            piece.view(self.b, len(keys), n)
+            for piece, (keys, n) in zip(pieces, self.runs, strict=True)
+        ]
+        for view, (keys, _) in zip(self._run_views, self.runs, strict=True):
+            self.blocks.update(zip(keys, view.unbind(1), strict=True))
+
     def holds(self, use: Use, name: str, v: Tensor) -> bool:
         """Whether ``v`` is the slot view handed out for ``use``'s ``name``."""
         return self.views.get((use, name)) is v
@@ -293,8 +321,15 @@ class Slots:
         return self._per_slot(flat.split(list(self.slots.values())))
 
     def squared_norms(self) -> dict[tuple[Use, str], Tensor]:
-        """{(use, name): (b,) squared norms of the per-example gradients} of every filled slot."""
-        return {key: self.blocks[key].pow(2).sum(1) for key in self.views}
+        """{(use, name): (b,) squared norms of the per-example gradients} of every filled
+        slot: one square and one sum per run of equal-sized slots (float32 sums of the
+        same squares as slot by slot, in another order)."""
+        out = {}
+        for view, (keys, _) in zip(self._run_views, self.runs, strict=True):
+            if any(key in self.views for key in keys):
+                norms = view.pow(2).sum(2).unbind(1)
+                out.update((k, sq) for k, sq in zip(keys, norms, strict=True) if k in self.views)
+        return out
 
     def _per_slot(self, pieces) -> dict[tuple[Use, str], Tensor]:
         out = {}

@@ -773,6 +773,9 @@ class ClippingEngine:
         threshold = self.max_grad_norm * check_positive("loss_scale", loss_scale)
         norms_sq = {n: g.pow(2).sum().reshape(1) for n, g in held.items()}
         if not norms_sq:
+            if self._sharding is not None:  # every rank reduces every sum (collectives)
+                self._add_sums(())
+                self._mark_grads()
             zeros = torch.zeros(1)
             return ClipStats(zeros, torch.ones(1), self.max_grad_norm)
         if self.clipping == "per_layer":
@@ -977,6 +980,7 @@ class _CheckView:
         self.root_inputs = engine._root_inputs
         self.root_random_state = engine._root_random_state
         self.sizes_by_data = engine._rows.sizes_by_data
+        self.lockstep = engine._sharding is not None
 
     def reached(self, records: dict) -> list[str]:
         return self._engine._norms_sums.reached(records)

@@ -261,6 +261,47 @@ def _outside_use(mesh) -> str:
     return ""
 
 
+#: parameter shapes whose rows W ranks cut unevenly (2 ranks: 5 rows -> 3, 2; 1 -> 1, 0)
+STORE_SHAPES = [(5, 3), (4,), (1, 2), (7, 4), (2, 3, 2), (40, 10)]  # the last: 1,600 B
+
+
+def store_sums(bucket_bytes: int, sharded: bool = True) -> dict:
+    """ShardedGradStore alone: random full-shape sums of :data:`STORE_SHAPES` (Shard(0)
+    DTensors) added over two chunks, buckets of ``bucket_bytes``; rank 1 reaches the
+    third parameter in no record of the first chunk (None). The reduced sums (full), each
+    rank's local shard shapes and what this rank added."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dptrain.distributed.sharded_sums import ShardedGradStore
+
+    assert sharded
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    params = [
+        nn.Parameter(distribute_tensor(torch.zeros(s), mesh, [Shard(0)])) for s in STORE_SHAPES
+    ]
+    store = ShardedGradStore(bucket_bytes)
+    g = torch.Generator().manual_seed(100 + rank)
+    added: list[list[torch.Tensor | None]] = []
+    for chunk in range(2):
+        sums = [
+            None if (rank == 1 and k == 2 and chunk == 0) else torch.randn(p.shape, generator=g)
+            for k, p in enumerate(params)
+        ]
+        for p, mine in zip(params, sums, strict=True):
+            store.add(p, mine)
+        store.flush()
+        added.append(sums)
+    return {
+        "grads": [full(p.grad) for p in params],
+        "local": [tuple(p.grad.to_local().shape) for p in params],
+        "added": added,
+    }
+
+
 def scenarios(cases: list[dict], refusals: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
-    """Run each case (private_run's keywords) and each refusal in this process group."""
-    return [private_run(**case) for case in cases], {k: refusal(k) for k in refusals}
+    """Run each case (private_run's keywords; store_sums' where it has bucket_bytes) and
+    each refusal in this process group."""
+    runs = [store_sums(**c) if "bucket_bytes" in c else private_run(**c) for c in cases]
+    return runs, {k: refusal(k) for k in refusals}

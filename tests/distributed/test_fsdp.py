@@ -42,6 +42,7 @@ MORE = {
     "big_users": dict(users="big", batch=N_USERS, chunk=3),
     "big_outlier": dict(users="big", batch=N_USERS, chunk=3, outlier=BIG_USER, scale=1e6),
     "big_removed": dict(users="big", batch=N_USERS, chunk=3, outlier=BIG_USER, scale=0.0),
+    "store": dict(bucket_bytes=120),  # buckets of one to a few of STORE_SHAPES
 }
 
 
@@ -346,3 +347,25 @@ def test_one_user_larger_than_a_chunk_moves_the_reduced_sum_by_at_most_c(more):
         a, b = rank["big_outlier"]["sums"], rank["big_removed"]["sums"]
         moved = math.sqrt(sum(float((a[n] - b[n]).pow(2).sum()) for n in a))
         assert 0.99 * C <= moved <= C * (1 + 1e-6), moved
+
+
+# -- the bucketed reduction -------------------------------------------------------------------
+
+
+def test_bucketed_reduce_scatter_is_the_sum_over_ranks(more):
+    """ShardedGradStore's flat reduce-scatter per bucket (several buckets, a parameter
+    larger than a bucket reduced alone, rows cut unevenly, a rank adding None) gives
+    each parameter the sum of every rank's additions over two chunks."""
+    runs = [rank["store"] for rank in more["ranks"]]
+    for k, shape in enumerate(fsdp_run.STORE_SHAPES):
+        want = sum(
+            torch.zeros(shape, dtype=torch.float64) if t is None else t[k].double()
+            for run in runs
+            for chunk in run["added"]
+            for t in [None if chunk[k] is None else chunk]
+        )
+        for run in runs:
+            _assert_close({"p": run["grads"][k]}, {"p": want}, 1e-6)
+    # the uneven cuts were exercised: 5 rows -> 3, 2 and 1 row -> 1, 0
+    assert [run["local"][0][0] for run in runs] == [3, 2]
+    assert [run["local"][2][0] for run in runs] == [1, 0]

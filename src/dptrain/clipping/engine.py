@@ -949,6 +949,7 @@ class ClippingEngine:
         for name, grad in sums:
             self._store.add(self.parameter(name), grad)
             del grad
+        self._store.flush()
 
     def clipped_sum(self, p: nn.Parameter) -> Tensor | None:
         """The clipped sum the engine accumulated for ``p`` since its ``p.grad`` was last

@@ -81,7 +81,8 @@ def make_private_distributed(
             and every rank uses it (logged on rank 0).
         ledger: continue this ledger (read on rank 0; every rank gets a copy).
         group: the process group (default: the default group; none: one process).
-        bucket_cap_mb: size of the flattened all-reduce buckets.
+        bucket_cap_mb: size of the flattened all-reduce buckets (on a sharded model:
+            of the clipped sums reduce-scattered by one collective).
         secure_mode: as for :func:`~dptrain.make_private` (noise and sampling from the
             OS's CSPRNG; ``seed`` must be None), on an FSDP2-sharded model only: rank 0
             draws each Poisson batch and broadcasts it, and each rank draws the noise of
@@ -202,7 +203,7 @@ def make_private_distributed(
             engine = private.engine
             sharding = FSDPSharding(model, engine.module_rules)
             sharding.refuse_unsharded({n: engine.parameter(n) for n in engine.parameter_names})
-            engine.shard(sharding, ShardedGradStore())
+            engine.shard(sharding, ShardedGradStore(int(bucket_cap_mb * 2**20)))
             names = {id(engine.parameter(n)): n for n in engine.parameter_names}
             dp_optimizer = ShardedDPOptimizer(
                 base_opt.original_optimizer, names=names, secure_mode=secure_mode, **same

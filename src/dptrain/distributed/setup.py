@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptrain._checks import check_positive
 from dptrain.accounting import PrivacyLedger
 from dptrain.distributed.collectives import _broadcast_module_state, _raise_on_every_rank
 from dptrain.distributed.context import DistributedConfigError, _rank_and_world
@@ -132,6 +133,7 @@ def make_private_distributed(
     try:
         chunk = _per_rank_chunk(max_physical_batch_size, global_physical_batch_size, world)
         _check_secure_mode(secure_mode, seed, sharded)
+        check_positive("bucket_cap_mb", bucket_cap_mb)
         fingerprint = _config_fingerprint(model, optimizer, data, settings)
     except Exception as exc:
         local_error = exc

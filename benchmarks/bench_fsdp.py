@@ -1,6 +1,7 @@
 """FSDP2 under dptrain: per-rank memory and step time at 1, 2 and 4 gloo processes (CPU).
 
     PYTHONPATH=src:. python benchmarks/bench_fsdp.py [--ranks 1 2 4] [--steps 4] [--kinds ...]
+        [--bucket-mb 25 0] [--reduction 10]
 
 A tied Llama from a config (hidden 512, 4 layers, vocab 8192: 16.8M parameters,
 float32), sharded per decoder layer and at the root on a 1-D CPU mesh, trained
@@ -14,6 +15,15 @@ activations included: ``ru_maxrss``, so an upper bound of what the step held),
 and the median step time after one warm-up step (the first private step runs
 the engine's checks). Logical batch 16 (non-private: exactly 16; private:
 Poisson with q N = 16), 8 records per chunk per rank, T 128.
+
+``--bucket-mb``: the sharded private run once per value of ``bucket_cap_mb``, the
+bucket of clipped sums reduced by one collective; 0 reduces every parameter alone
+(one ``DTensor`` redistribution per parameter, the reduction before buckets), so
+one command compares the two on the same machine. ``--reduction R``: the reduction
+alone, timed apart from the rest of the step (whose noise on a shared machine hides
+it): every rank reduces random full-shape sums of every parameter (one chunk's) into
+its shards through ``ShardedGradStore``, per parameter and in buckets, alternately,
+R times each in the same processes; the medians.
 """
 
 from __future__ import annotations
@@ -81,9 +91,10 @@ def _data():
     return torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
 
 
-def measure(kind: str, steps: int) -> dict:
+def measure(kind: str, steps: int, bucket_mb: float = 25.0) -> dict:
     """One run: ``fsdp`` (non-private FSDP2), ``dptrain-fsdp`` or ``dptrain-ddp`` (the
-    same private training on the unsharded model, each rank a full replica)."""
+    same private training on the unsharded model, each rank a full replica);
+    ``bucket_mb``: dptrain's ``bucket_cap_mb`` (0: every parameter alone)."""
     private = kind != "fsdp"
     from dptrain.distributed import make_private_distributed
     from dptrain.losses import per_example_cross_entropy
@@ -105,6 +116,8 @@ def measure(kind: str, steps: int) -> dict:
             noise_multiplier=1.0,
             max_physical_batch_size=CHUNK,
             seed=0,
+            # a bucket smaller than any parameter: each reduced alone
+            bucket_cap_mb=bucket_mb or 1e-6,
         )
         grads = 0
         for batch in run.data_loader:
@@ -146,6 +159,31 @@ def measure(kind: str, steps: int) -> dict:
     }
 
 
+def measure_reduction(repeats: int, buckets: list[float]) -> dict:
+    """Median seconds of one chunk's reduction of every parameter's sum, per bucket size
+    (0: every parameter alone), alternating the sizes in the same processes."""
+    from dptrain.distributed.sharded_sums import ShardedGradStore
+
+    model = _shard(_model())
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(dist.get_rank())
+    sums = [torch.randn(p.shape, generator=g) for p in params]
+    times: dict[float, list[float]] = {mb: [] for mb in buckets}
+    for _ in range(repeats + 1):
+        for mb in buckets:
+            store = ShardedGradStore(int((mb or 1e-6) * 2**20))
+            for p in params:
+                p.grad = None
+            dist.barrier()
+            t = time.perf_counter()
+            for p, s in zip(params, sums, strict=True):
+                store.add(p, s)
+            store.flush()
+            dist.barrier()
+            times[mb].append(time.perf_counter() - t)
+    return {mb: statistics.median(v[1:]) for mb, v in times.items()}  # after a warm-up
+
+
 def main() -> None:
     from dptrain.distributed import spawn
 
@@ -158,14 +196,34 @@ def main() -> None:
         default=["fsdp", "dptrain-fsdp", "dptrain-ddp"],
         choices=["fsdp", "dptrain-fsdp", "dptrain-ddp"],
     )
+    ap.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0])
+    ap.add_argument("--reduction", type=int, default=0, metavar="R")
     args = ap.parse_args()
+    if args.reduction:
+        buckets = sorted(set(args.bucket_mb) | {0.0}, reverse=True)
+        print("| ranks | " + " | ".join(_bucket_label(mb) for mb in buckets) + " |")
+        print("|---|" + "---|" * len(buckets))
+        for w in args.ranks:
+            if w < 2:
+                continue  # one rank: nothing to reduce across
+            out = spawn(
+                measure_reduction, w, (args.reduction, buckets), timeout=600, join_timeout=3600
+            )
+            med = {mb: statistics.median(o[mb] for o in out) for mb in buckets}
+            print(f"| {w} | " + " | ".join(f"{med[mb]:.3f} s" for mb in buckets) + " |")
+        return
     mb = 2**20
     rows = []
     for w in args.ranks:
         for kind in args.kinds:
-            out = spawn(measure, w, (kind, args.steps), timeout=600, join_timeout=3600)
-            r = max(out, key=lambda o: o["params"])  # the rank holding most
-            rows.append((w, kind, r, statistics.median(o["step_s"] for o in out)))
+            buckets = args.bucket_mb if kind == "dptrain-fsdp" else [25.0]
+            for mb_cap in buckets:
+                out = spawn(measure, w, (kind, args.steps, mb_cap), timeout=600, join_timeout=3600)
+                r = max(out, key=lambda o: o["params"])  # the rank holding most
+                label = kind
+                if len(buckets) > 1:
+                    label += f" (bucket {mb_cap:g} MiB)" if mb_cap else " (per parameter)"
+                rows.append((w, label, r, statistics.median(o["step_s"] for o in out)))
     print(
         "| ranks | run | params / rank | grads / rank | Adam state / rank | peak RSS rise / rank "
         "| peak RSS / rank | step (s) | first step (s) |"
@@ -182,6 +240,10 @@ def main() -> None:
     for w, kind, _, step in rows:
         if kind != "fsdp" and w in base:
             print(f"ranks {w}: {kind} step / non-private FSDP2 step = {step / base[w]:.2f}x")
+
+
+def _bucket_label(mb: float) -> str:
+    return f"reduction, buckets of {mb:g} MiB" if mb else "reduction, per parameter"
 
 
 if __name__ == "__main__":

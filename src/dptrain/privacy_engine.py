@@ -19,7 +19,7 @@ import collections
 import itertools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -123,6 +123,8 @@ class PrivateTraining:
     privacy_unit: str = "example"
     by_user: bool = False
     """Whether records are grouped into units by ``user_ids`` (clipped per unit)."""
+    # records (not padding) of the open unit so far (a sharded model's user larger than a chunk)
+    _unit_rows: int = field(default=0, init=False, repr=False)
 
     def backward(self, per_example_losses: Tensor) -> ClipStats:
         """Clip this chunk's per-example gradients and add them to the step's sum.
@@ -175,13 +177,25 @@ class PrivateTraining:
         keep[b - pad :] = 0
         if not self.by_user:
             return _without_padding(self.engine.backward(per_example_losses * keep), b - pad)
-        # user-level: the padding rows are one unit of their own, the chunk's last
         units = self.data_loader.pending_units.popleft()
-        if units.ids.shape != (b,) or units.parts != 1:
+        if units.ids.shape != (b,):
             raise ValueError(
                 f"per_example_losses has shape {tuple(per_example_losses.shape)}, but the next "
                 f"chunk of the batch holds {units.ids.shape[0]} records: pass the chunks in order"
             )
+        if units.parts > 1:
+            # a part of a user larger than a chunk (padded with copies of its own records),
+            # or on a rank without such a user at this slot, padding alone: every rank
+            # accumulates one unit over the same parts and clips it at the same last part
+            self.engine.add_to_unit(per_example_losses * keep)
+            self._unit_rows += b - pad
+            if units.part < units.parts - 1:
+                empty = torch.zeros(0)
+                return ClipStats(empty, empty, self.engine.max_grad_norm)
+            stats = self.engine.close_unit()
+            rows, self._unit_rows = self._unit_rows, 0
+            return _without_padding(stats, 1 if rows else 0)
+        # user-level: the padding rows are one unit of their own, the chunk's last
         stats = self.engine.backward(per_example_losses * keep, units=units.ids)
         users = int(units.ids.unique().numel()) - (1 if pad else 0)
         return _without_padding(stats, users)
@@ -287,11 +301,6 @@ def make_private(
 
     fsdp.refuse_fsdp1(model)
     if fsdp.is_fsdp2(model) and not fsdp.wrapping_now():
-        if secure_mode:
-            raise ValueError(
-                "secure_mode=True with an FSDP2-sharded model: not supported yet (the "
-                "sharded noise is keyed by a seed); train without secure_mode"
-            )
         from dptrain.distributed import make_private_distributed
 
         # a sharded model spans ranks: the same call on every rank, sums reduced in shards
@@ -318,6 +327,7 @@ def make_private(
             privacy_unit=privacy_unit,
             user_ids=user_ids,
             ledger=ledger,
+            secure_mode=secure_mode,
         )
     if secure_mode and seed is not None:
         raise ValueError(

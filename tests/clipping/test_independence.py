@@ -93,3 +93,35 @@ def test_inputs_not_laid_out_by_example_need_no_split_and_are_checked():
         engine.backward(model(x, torch.arange(6)))
     assert engine.self_checks == 1
     engine.detach()
+
+
+class _CountingReruns:
+    """A Reruns view (check_interface.py) whose probe only counts its runs."""
+
+    def __init__(self, x: torch.Tensor, lockstep: bool):
+        self.model = nn.Linear(3, 1)
+        self.root_inputs = ((x,), {})
+        self.root_random_state = None
+        self.sizes_by_data = False
+        self.lockstep = lockstep
+        self.runs = 0
+
+    def probe(self, args, kwargs):
+        self.runs += 1
+        return {}
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_a_chunk_of_copies_runs_every_pass_in_lockstep(lockstep):
+    """A chunk whose examples are all copies (padding rows) has nothing to compare; one
+    process skips its re-runs, but under FSDP2 (lockstep) it runs them all, as the other
+    ranks, whose chunks differ, do: each forward gathers parameters from every rank."""
+    from dptrain.clipping import independence
+    from dptrain.clipping.separation import separating_masks
+
+    copies = _CountingReruns(torch.ones(4, 3), lockstep)
+    independence.run(copies, [], 4)
+    distinct = _CountingReruns(torch.randn(4, 3), lockstep)
+    independence.run(distinct, [], 4)
+    assert distinct.runs == 1 + len(separating_masks(4))
+    assert copies.runs == (distinct.runs if lockstep else 1)

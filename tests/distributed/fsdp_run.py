@@ -44,8 +44,14 @@ def llama(lora: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
     return model
 
 
-def data(outlier: int | None = None, scale: float = 1.0) -> torch.utils.data.TensorDataset:
-    """N_RECORDS token sequences and a loss weight per record (1; ``scale`` for ``outlier``)."""
+#: user ids with users larger than a chunk of 3: user 0 has 7 records, 1 has 4, 2 has 5,
+#: the rest 2 each (at q = 1, rank 0 of 2 gets users 0, 2, ... and rank 1 users 1, 3, ...)
+BIG_USERS = [0] * 7 + [1] * 4 + [2] * 5 + [3 + i // 2 for i in range(N_RECORDS - 16)]
+
+
+def data(outlier: int | list[int] | None = None, scale: float = 1.0):
+    """N_RECORDS token sequences and a loss weight per record (1; ``scale`` for the
+    ``outlier`` record or records)."""
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (N_RECORDS, SEQ + 1), generator=g)
     weight = torch.ones(N_RECORDS)
@@ -91,21 +97,37 @@ def private_run(
     entry: str = "make_private_distributed",
     autocast: bool = False,
     device: str = "cpu",
-    users: bool = False,
+    users: bool | str = False,
+    secure: bool = False,
 ) -> dict:
     """``steps`` private steps (SGD, lr 1); the clipped sums of the first step (before
-    noise), the initial and final parameters, full, by name."""
+    noise), the initial and final parameters, full, by name, and the records each step
+    put through this rank (dataset indices, padding left out).
+
+    ``users``: True: users of 2 records; "big": :data:`BIG_USERS`. ``secure``:
+    secure_mode (no seed)."""
     model = llama(lora, dtype).to(device)
     if sharded:
         model = shard(model, device)
     initial = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
+    # how many rows of each parameter this rank holds (and noises)
+    owned = {
+        n: (p.to_local() if hasattr(p, "to_local") else p).shape[0]
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     make = make_private if entry == "make_private" else make_private_distributed
+    dataset = data(outlier, scale)
+    user_ids = None
+    if users:
+        user_ids = BIG_USERS if users == "big" else [i // 2 for i in range(N_RECORDS)]
+    extra = dict(secure_mode=True) if secure else {}
     private = make(
         model,
         opt,
-        data(outlier, scale),
-        user_ids=[i // 2 for i in range(N_RECORDS)] if users else None,
+        dataset,
+        user_ids=user_ids,
         batch_size=batch,
         max_grad_norm=C,
         steps=steps,
@@ -113,15 +135,25 @@ def private_run(
         mode=mode,
         clipping=clipping,
         max_physical_batch_size=chunk,
-        seed=SEED,
+        seed=None if secure else SEED,
+        **extra,
     )
     engine = private.engine
+    index = {tuple(x.tolist()): i for i, x in enumerate(dataset.tensors[0])}
     sums: dict[str, torch.Tensor] = {}
-    sizes, padding = [], []
+    sizes, padding, records = [], [], []
     for t, batch_ in enumerate(private.data_loader):
         private.optimizer.zero_grad()
         sizes.append(batch_.global_size)
-        padding.append(getattr(batch_, "padding", None))
+        pads = getattr(batch_, "padding", None)
+        padding.append(pads)
+        records.append(
+            [
+                index[tuple(row.tolist())]
+                for j, (x, _, _) in enumerate(batch_.chunks)
+                for row in x[: len(x) - (pads[j] if pads else 0)]
+            ]
+        )
         for x, y, w in batch_.chunks:
             x, y, w = x.to(device), y.to(device), w.to(device)
             with torch.autocast(device, torch.bfloat16, enabled=autocast):
@@ -141,6 +173,9 @@ def private_run(
         "params": params,
         "sizes": sizes,
         "padding": padding,
+        "records": records,
+        "owned": owned,
+        "secure": bool(private.optimizer.secure_mode and private.data_loader.loader.sampler.secure),
         "divisor": private.optimizer.expected_batch_size,
         "ledger": private.ledger.state_dict(),
         "optimizer": type(private.optimizer).__name__,
@@ -154,7 +189,6 @@ def refusal(kind: str) -> str:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = llama()
-    user_ids = None
     if kind == "offload":
         fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     elif kind == "mixed_precision":
@@ -164,10 +198,9 @@ def refusal(kind: str) -> str:
             fully_shard(layer, mesh=mesh)
     elif kind == "outside_use":
         return _outside_use(mesh)
-    elif kind == "user_ids":  # a user of 10 records, chunks of 3
-        fully_shard(model, mesh=mesh)
-        user_ids = [0] * 10 + list(range(1, N_RECORDS - 9))
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    # an unsharded (replicated) model's noise is rank 0's seeded draw: no secure_mode
+    secure = kind == "secure_unsharded"
     try:
         make_private_distributed(
             model,
@@ -177,9 +210,9 @@ def refusal(kind: str) -> str:
             max_grad_norm=C,
             steps=1,
             noise_multiplier=1.0,
-            seed=SEED,
-            user_ids=user_ids,
+            seed=None if secure else SEED,
             max_physical_batch_size=3,
+            secure_mode=secure,
         )
     except Exception as exc:  # the test reads the message
         return f"{type(exc).__name__}: {exc}"
@@ -228,6 +261,47 @@ def _outside_use(mesh) -> str:
     return ""
 
 
+#: parameter shapes whose rows W ranks cut unevenly (2 ranks: 5 rows -> 3, 2; 1 -> 1, 0)
+STORE_SHAPES = [(5, 3), (4,), (1, 2), (7, 4), (2, 3, 2), (40, 10)]  # the last: 1,600 B
+
+
+def store_sums(bucket_bytes: int, sharded: bool = True) -> dict:
+    """ShardedGradStore alone: random full-shape sums of :data:`STORE_SHAPES` (Shard(0)
+    DTensors) added over two chunks, buckets of ``bucket_bytes``; rank 1 reaches the
+    third parameter in no record of the first chunk (None). The reduced sums (full), each
+    rank's local shard shapes and what this rank added."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dptrain.distributed.sharded_sums import ShardedGradStore
+
+    assert sharded
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    params = [
+        nn.Parameter(distribute_tensor(torch.zeros(s), mesh, [Shard(0)])) for s in STORE_SHAPES
+    ]
+    store = ShardedGradStore(bucket_bytes)
+    g = torch.Generator().manual_seed(100 + rank)
+    added: list[list[torch.Tensor | None]] = []
+    for chunk in range(2):
+        sums = [
+            None if (rank == 1 and k == 2 and chunk == 0) else torch.randn(p.shape, generator=g)
+            for k, p in enumerate(params)
+        ]
+        for p, mine in zip(params, sums, strict=True):
+            store.add(p, mine)
+        store.flush()
+        added.append(sums)
+    return {
+        "grads": [full(p.grad) for p in params],
+        "local": [tuple(p.grad.to_local().shape) for p in params],
+        "added": added,
+    }
+
+
 def scenarios(cases: list[dict], refusals: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
-    """Run each case (private_run's keywords) and each refusal in this process group."""
-    return [private_run(**case) for case in cases], {k: refusal(k) for k in refusals}
+    """Run each case (private_run's keywords; store_sums' where it has bucket_bytes) and
+    each refusal in this process group."""
+    runs = [store_sums(**c) if "bucket_bytes" in c else private_run(**c) for c in cases]
+    return runs, {k: refusal(k) for k in refusals}

@@ -33,11 +33,23 @@ CASES = {
     "autocast": dict(autocast=True),
     "users": dict(users=True, batch=7, chunk=5),
 }
-REFUSALS = ("offload", "mixed_precision", "user_ids", "unsharded_root", "outside_use")
+REFUSALS = ("offload", "mixed_precision", "unsharded_root", "outside_use", "secure_unsharded")
+BIG_USER = [i for i, u in enumerate(fsdp_run.BIG_USERS) if u == 0]  # 7 records: 3 chunks
+N_USERS = len(set(fsdp_run.BIG_USERS))
+#: a second spawn (each stays under 40 s): secure mode, users larger than a chunk
+MORE = {
+    "secure": dict(secure=True, sigma=1.0, dtype=torch.float64, batch=16),
+    "big_users": dict(users="big", batch=N_USERS, chunk=3),
+    "big_outlier": dict(users="big", batch=N_USERS, chunk=3, outlier=BIG_USER, scale=1e6),
+    "big_removed": dict(users="big", batch=N_USERS, chunk=3, outlier=BIG_USER, scale=0.0),
+    "store": dict(bucket_bytes=120),  # buckets of one to a few of STORE_SHAPES
+}
 
 
-def _run(world: int, names: tuple[str, ...], refusals: tuple[str, ...] = ()) -> dict:
-    cases = [dict(sharded=True, **CASES[n]) for n in names]
+def _run(
+    world: int, names: tuple[str, ...], refusals: tuple[str, ...] = (), table: dict = CASES
+) -> dict:
+    cases = [dict(sharded=True, **table[n]) for n in names]
     out = spawn(fsdp_run.scenarios, world, (cases, refusals), timeout=120, join_timeout=900)
     return {
         "ranks": [dict(zip(names, results, strict=True)) for results, _ in out],
@@ -51,13 +63,18 @@ def two():
 
 
 @pytest.fixture(scope="module")
+def more():
+    return _run(2, tuple(MORE), table=MORE)
+
+
+@pytest.fixture(scope="module")
 def reference():
     """The same runs in one process, unsharded (cached per case)."""
     cache: dict[str, dict] = {}
 
     def get(name: str) -> dict:
         if name not in cache:
-            case = dict(CASES[name], sharded=False)
+            case = dict(CASES[name] if name in CASES else MORE[name], sharded=False)
             case.pop("entry", None)
             cache[name] = fsdp_run.private_run(**case)
         return cache[name]
@@ -172,9 +189,9 @@ def test_noise_keys_differ_by_step_and_parameter():
     [
         ("offload", ["CPUOffloadPolicy", "offload"]),
         ("mixed_precision", ["MixedPrecisionPolicy", "param_dtype"]),
-        ("user_ids", ["max_physical_batch_size=3", "largest user has 10 records", ">= 10"]),
         ("unsharded_root", ["not sharded by FSDP2", "model.embed_tokens.weight", "fully_shard"]),
         ("outside_use", ["head.weight", "outside the forward of the module"]),
+        ("secure_unsharded", ["secure_mode=True", "unsharded", "FSDP2-sharded"]),
     ],
 )
 def test_unsupported_sharding_is_refused_by_name(two, kind, words):
@@ -234,3 +251,121 @@ def test_four_processes_equal_one(reference):
     for rank in four["ranks"][1:]:
         for name, t in two_like["params"].items():
             assert torch.equal(rank["noised"]["params"][name], t)
+
+
+# -- secure_mode on a sharded model ------------------------------------------------------------
+
+
+def _secure_noise(run: dict) -> dict[str, torch.Tensor]:
+    """The noise the step added: z = (p0 - p1) q N - S (SGD, lr 1; float64 parameters, so
+    the recovery is exact to ~1e-15 of the noise's scale)."""
+    return {
+        n: (p0 - run["params"][n]) * run["divisor"] - run["sums"][n]
+        for n, p0 in run["initial"].items()
+    }
+
+
+def _chi2_bounds(n: int) -> tuple[float, float]:
+    """Bounds on sum z^2 / std^2 over n N(0, std^2) draws that hold but with probability
+    2e-9: a wrong std (or coordinates noised twice, or never) cannot pass by luck."""
+    from scipy.stats import chi2
+
+    return float(chi2.ppf(1e-9, n)), float(chi2.isf(1e-9, n))
+
+
+def test_secure_mode_noises_each_coordinate_once_with_the_right_std(more):
+    """Each rank drew only its own rows' noise from the OS's CSPRNG: over the whole model and
+    over each rank's rows the noise is N(0, (sigma C)^2) (chi-square, 2e-9 bounds: a
+    coordinate noised by two ranks has variance 2 (sigma C)^2, one noised by none 0), no
+    coordinate is left without noise, and the ranks' draws are uncorrelated (two ranks
+    drawing one stream would give r = 1)."""
+    runs = [rank["secure"] for rank in more["ranks"]]
+    assert all(run["secure"] for run in runs)  # secure noise and secure sampling
+    std = 1.0 * C
+    noise = _secure_noise(runs[0])
+    assert {n: z.shape for n, z in noise.items()} == {
+        n: p.shape for n, p in runs[0]["initial"].items()
+    }
+    flat = torch.cat([z.flatten() for z in noise.values()])
+    lo, hi = _chi2_bounds(flat.numel())
+    assert lo <= float((flat / std).pow(2).sum()) <= hi, float(flat.std() / std)
+    assert float(flat.abs().min()) > 1e-9 * std  # P(|z| < 1e-9 std) ~ 1e-9 per coordinate
+    # each rank's own rows (FSDP2 Shard(0): rows [r c, (r + 1) c), c = ceil(rows / W))
+    world = len(runs)
+    mine = []
+    for r in range(world):
+        rows = []
+        for name, z in noise.items():
+            c = -(-z.shape[0] // world)
+            assert runs[r]["owned"][name] == z[r * c : (r + 1) * c].shape[0], name
+            rows.append(z[r * c : (r + 1) * c].flatten())
+        mine.append(torch.cat(rows))
+        lo, hi = _chi2_bounds(mine[r].numel())
+        assert lo <= float((mine[r] / std).pow(2).sum()) <= hi, (r, float(mine[r].std() / std))
+    n = min(v.numel() for v in mine)
+    corr = float(torch.corrcoef(torch.stack([mine[0][:n], mine[1][:n]]))[0, 1])
+    assert abs(corr) < 6 / math.sqrt(n), corr
+
+
+def test_secure_mode_ranks_share_one_batch_drawn_by_rank_0(more):
+    """Rank 0 drew the Poisson batch from the CSPRNG and broadcast it: every rank saw the
+    same global size and the ranks' records are disjoint and add up to it (ranks drawing
+    their own batches would overlap or miss); the ledger is the same on every rank."""
+    runs = [rank["secure"] for rank in more["ranks"]]
+    assert len({tuple(run["sizes"]) for run in runs}) == 1
+    seen = [i for run in runs for i in run["records"][0]]
+    assert len(seen) == len(set(seen)) == runs[0]["sizes"][0] > 0
+    assert all(run["ledger"] == runs[0]["ledger"] for run in runs)
+    assert runs[0]["ledger"]["segments"], runs[0]["ledger"]
+
+
+# -- users larger than a chunk ----------------------------------------------------------------
+
+
+def test_users_larger_than_a_chunk_sum_as_one_process(more, reference):
+    """Users of 7, 4 and 5 records with chunks of 3: each rank accumulates its large users
+    over the same number of equal-shape parts (padded with the user's own records, or
+    padding alone where a rank has no such user) and clips each once; the reduced sum is
+    the one-process user-level sum."""
+    ref = reference("big_users")
+    assert ref["sums"]
+    for rank in more["ranks"]:
+        run = rank["big_users"]
+        assert run["sizes"] == ref["sizes"] == [fsdp_run.N_RECORDS]
+        _assert_close(run["sums"], ref["sums"], 1e-6)
+    chunks = [len(rank["big_users"]["padding"][0]) for rank in more["ranks"]]
+    assert len(set(chunks)) == 1  # the same passes on every rank
+    # rank 1 has one large user (4 records) and padding alone in the second slot
+    assert any(p == 3 for p in more["ranks"][1]["big_users"]["padding"][0])
+    seen = sorted(i for rank in more["ranks"] for i in rank["big_users"]["records"][0])
+    assert seen == list(range(fsdp_run.N_RECORDS))
+
+
+def test_one_user_larger_than_a_chunk_moves_the_reduced_sum_by_at_most_c(more):
+    """User 0 (7 records over 3 chunks) with its losses scaled by 1e6 vs weighted 0."""
+    for rank in more["ranks"]:
+        a, b = rank["big_outlier"]["sums"], rank["big_removed"]["sums"]
+        moved = math.sqrt(sum(float((a[n] - b[n]).pow(2).sum()) for n in a))
+        assert 0.99 * C <= moved <= C * (1 + 1e-6), moved
+
+
+# -- the bucketed reduction -------------------------------------------------------------------
+
+
+def test_bucketed_reduce_scatter_is_the_sum_over_ranks(more):
+    """ShardedGradStore's flat reduce-scatter per bucket (several buckets, a parameter
+    larger than a bucket reduced alone, rows cut unevenly, a rank adding None) gives
+    each parameter the sum of every rank's additions over two chunks."""
+    runs = [rank["store"] for rank in more["ranks"]]
+    for k, shape in enumerate(fsdp_run.STORE_SHAPES):
+        want = sum(
+            torch.zeros(shape, dtype=torch.float64) if t is None else t[k].double()
+            for run in runs
+            for chunk in run["added"]
+            for t in [None if chunk[k] is None else chunk]
+        )
+        for run in runs:
+            _assert_close({"p": run["grads"][k]}, {"p": want}, 1e-6)
+    # the uneven cuts were exercised: 5 rows -> 3, 2 and 1 row -> 1, 0
+    assert [run["local"][0][0] for run in runs] == [3, 2]
+    assert [run["local"][2][0] for run in runs] == [1, 0]

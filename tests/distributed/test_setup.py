@@ -72,3 +72,24 @@ def test_a_rank_that_never_joins_gives_a_timeout_not_a_hang(two_ranks):
     assert bad["timeout"] != "no error"
     assert "time" in bad["timeout"].lower()  # "Timed out waiting ..."
     assert bad["timeout_s"] < 15
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(bucket_cap_mb=0), ["bucket_cap_mb=0 is not allowed", "> 0"]),
+        (dict(secure_mode=1), ["secure_mode=1 is not allowed", "True or False"]),
+        (dict(secure_mode=True, seed=3), ["secure_mode=True with seed=3", "drop the seed"]),
+        (dict(secure_mode=True), ["secure_mode=True is not allowed", "unsharded", "fully_shard"]),
+    ],
+)
+def test_bad_settings_are_refused_by_name_before_training(kwargs, words):
+    """One process (no group): the refusal every rank would raise, naming the argument."""
+    from dptrain.distributed import DistributedConfigError
+
+    model, opt, data = build()
+    settings = {**config("book_keeping"), "seed": None, **kwargs}
+    with pytest.raises(DistributedConfigError) as err:
+        make_private_distributed(model, opt, data, max_physical_batch_size=4, **settings)
+    for w in words:
+        assert w in str(err.value), str(err.value)

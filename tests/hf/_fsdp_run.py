@@ -32,6 +32,7 @@ def _trainer(
     device: str = "cpu",
     lora: bool = False,
     eval_dataset: Any = None,
+    users: bool = False,
     **privacy: Any,
 ) -> Any:
     import torch
@@ -79,10 +80,18 @@ def _trainer(
     return Recording(
         model=model,
         args=args,
-        train_dataset=tiny.lm_records(40),
+        train_dataset=user_records() if users else tiny.lm_records(40),
         eval_dataset=eval_dataset,
         privacy_args=PrivacyArguments(**settings),
     )
+
+
+def user_records() -> Any:
+    """The records of tests/hf/test_user_level.py: 12 users of 1 to 6 records, a
+    ``user_id`` column (users larger than a chunk of 2 or 4 records among them)."""
+    from tests.hf.test_user_level import _as_dataset, _user_records
+
+    return _as_dataset(_user_records())
 
 
 def train(
@@ -91,11 +100,13 @@ def train(
     per_device: int,
     save: bool = False,
     lora: bool = False,
+    users: bool = False,
     **privacy: Any,
 ) -> dict[str, Any]:
     """3 DPTrainer updates (SGD, expected batch per_device x 2 x world); the initial and
     final trainable parameters (gathered, by name), the ledger and what the run used.
-    ``lora``: LoRA r4 on q/v, only the adapters trainable."""
+    ``lora``: LoRA r4 on q/v, only the adapters trainable. ``users``: user-level DP over
+    :func:`user_records` (``group_by="user_id"``)."""
     from tests.hf import tiny
 
     # evaluated after step 2 (engine attached, between private steps) and at the end;
@@ -107,6 +118,8 @@ def train(
         {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 3},
         lora=lora,
         eval_dataset=tiny.lm_records(11, seed=3),
+        users=users,
+        **({"group_by": "user_id"} if users else {}),
         **privacy,
     )
     initial = {n: full(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -120,6 +133,10 @@ def train(
         "initial": initial,
         "params": {n: full(p) for n, p in trainer.model.named_parameters() if p.requires_grad},
         "optimizer": type(trainer.privacy.optimizer).__name__,
+        "secure": (
+            trainer.privacy.optimizer.secure_mode,
+            trainer.privacy.data_loader.loader.sampler.secure,
+        ),
         "padding": trainer.padding,
         "epsilon": trainer.epsilon(),
         "eval_loss": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
@@ -188,8 +205,6 @@ REFUSED = {
         },
         {},
     ),
-    "secure_mode": ({}, {"secure_mode": True, "seed": None}),
-    "group_by": ({}, {"group_by": "user_id"}),
     "resume": ({}, {}),
     "device": ({}, {}),  # sharded on the meta device, trained on the CPU
     "root": ({}, {}),  # the decoder layers sharded, the root not
@@ -219,6 +234,14 @@ def scenarios(output_dir: str) -> tuple[dict, dict, dict, dict]:
     noised = train(f"{output_dir}/noised", True, 2, save=True, **NOISED)
     refusals = {k: refusal(f"{output_dir}/{k}", k) for k in REFUSED}
     return quiet, noised, refusals, checkpointed(f"{output_dir}/checkpointed")
+
+
+def users_and_secure(output_dir: str) -> tuple[dict, dict]:
+    """User-level DP (``group_by``) at sigma ~ 0, and secure_mode at sigma = 1, on the
+    sharded model."""
+    users = train(f"{output_dir}/users", True, 2, users=True)
+    secure = train(f"{output_dir}/secure", True, 2, secure_mode=True, seed=None, **NOISED)
+    return users, secure
 
 
 def lora_ghost(output_dir: str) -> dict:

@@ -185,8 +185,6 @@ def test_a_sharded_checkpoint_consolidates_to_its_gathered_weights(runs, tmp_pat
     [
         ("best_model", ["load_best_model_at_end=True", "FSDP2-sharded", "from_pretrained"]),
         ("resume", ["PrivacyCheckpointError", "checkpoint-1", "no dptrain_shards/"]),
-        ("secure_mode", ["secure_mode=True", "FSDP2-sharded"]),
-        ("group_by", ["group_by='user_id'", "FSDP2-sharded"]),
         ("device", ["sharded on meta", "train on cpu", "init_device_mesh('cpu'"]),
         ("root", ["UnsupportedModelError", "LlamaForCausalLM", "fully_shard(model)"]),
     ],
@@ -196,6 +194,52 @@ def test_unsupported_settings_with_a_sharded_model_are_refused(runs, kind, words
     assert message, f"{kind} was accepted"
     for word in words:
         assert word in message, message
+
+
+@pytest.fixture(scope="module")
+def more(tmp_path_factory):
+    """user-level DP and secure_mode on the sharded model: a second spawn of 2 processes
+    (each under 40 s), and the user-level run in one process, unsharded."""
+    folder = tmp_path_factory.mktemp("fsdp_more")
+    ranks = spawn(_fsdp_run.users_and_secure, 2, (str(folder),), timeout=120, join_timeout=900)
+    return ranks, _fsdp_run.train(str(folder / "one"), False, 4, users=True)
+
+
+def test_group_by_on_a_sharded_model_equals_one_process(more):
+    """PrivacyArguments.group_by on a model sharded with fully_shard: users (1 to 6
+    records, chunks of 2 per rank) packed whole per rank, those larger than a chunk
+    accumulated over equal parts on every rank; the same steps as one process."""
+    ranks, one = more
+    assert one["ledger"]["privacy_unit"] == "user"
+    moved = max(float((one["params"][n] - one["initial"][n]).abs().max()) for n in one["params"])
+    assert moved > 1e-3
+    for users, _ in ranks:
+        assert users["optimizer"] == "ShardedDPOptimizer" and users["world_size"] == 2
+        assert users["ledger"] == one["ledger"]
+        for name, value in one["params"].items():
+            torch.testing.assert_close(users["params"][name], value, rtol=0, atol=1e-6, msg=name)
+    # the same number of chunks on both ranks at every update
+    pads = [users["padding"] for users, _ in ranks]
+    assert [len(p) for p in pads[0]] == [len(p) for p in pads[1]]
+
+
+def test_secure_mode_on_a_sharded_model_trains(more):
+    """secure_mode=True with an FSDP2-sharded model: noise and batches from the OS's
+    CSPRNG (the noise statistics: tests/distributed/test_fsdp.py), the same ledger on
+    every rank, the weights moved."""
+    ranks, _ = more
+    runs = [secure for _, secure in ranks]
+    for run in runs:
+        assert run["secure"] == (True, True) and run["optimizer"] == "ShardedDPOptimizer"
+        assert run["global_step"] == 3 and run["ledger"] == runs[0]["ledger"]
+        assert [len(p) for p in run["padding"]] == [len(p) for p in runs[0]["padding"]]
+    assert runs[0]["ledger"]["segments"] == [
+        {"sample_rate": 0.2, "noise_multiplier": 1.0, "count": 3}
+    ]
+    moved = [
+        float((runs[0]["params"][n] - runs[0]["initial"][n]).abs().max()) for n in runs[0]["params"]
+    ]
+    assert min(moved) > 0
 
 
 @pytest.mark.slow

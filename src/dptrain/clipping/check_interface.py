@@ -61,6 +61,9 @@ class Reruns(Protocol):
     """The random state that forward began from."""
     sizes_by_data: bool
     """Whether the losses' graph selects rows by index values anywhere (routing)."""
+    lockstep: bool
+    """Whether every rank must run the same passes (a sharded model: each forward
+    gathers parameters from all ranks), whatever its chunk holds."""
 
     def probe(self, args: tuple, kwargs: dict) -> dict[Any, list]:
         """Run the model without gradients; {module record: [input summary per call]}."""

@@ -796,6 +796,9 @@ class ClippingEngine:
         threshold = self.max_grad_norm * check_positive("loss_scale", loss_scale)
         norms_sq = {n: g.pow(2).sum().reshape(1) for n, g in held.items()}
         if not norms_sq:
+            if self._sharding is not None:  # every rank reduces every sum (collectives)
+                self._add_sums(())
+                self._mark_grads()
             zeros = torch.zeros(1)
             return ClipStats(zeros, torch.ones(1), self.max_grad_norm)
         if self.clipping == "per_layer":
@@ -981,6 +984,7 @@ class ClippingEngine:
         for name, grad in sums:
             self._store.add(self.parameter(name), grad)
             del grad
+        self._store.flush()
 
     def clipped_sum(self, p: nn.Parameter) -> Tensor | None:
         """The clipped sum the engine accumulated for ``p`` since its ``p.grad`` was last
@@ -1012,6 +1016,7 @@ class _CheckView:
         self.root_inputs = engine._root_inputs
         self.root_random_state = engine._root_random_state
         self.sizes_by_data = engine._rows.sizes_by_data
+        self.lockstep = engine._sharding is not None
 
     def reached(self, records: dict) -> list[str]:
         return self._engine._norms_sums.reached(records)

@@ -71,6 +71,11 @@ class GradStore:
         p.grad = rounded
         self._float32_sums[id(p)] = (total, rounded)
 
+    def flush(self) -> None:
+        """Complete the additions made since the last flush (the engine calls it after
+        each chunk's sums, before :meth:`mark`): nothing to do here, where each
+        :meth:`add` is complete; a store that batches its additions does them now."""
+
     def mark(self, params: list[nn.Parameter]) -> None:
         """Remember each ``p.grad`` as the store leaves it."""
         for p in params:

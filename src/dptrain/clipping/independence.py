@@ -114,6 +114,11 @@ def run(engine: Reruns, uses, b: int) -> None:
         for mask in separating_masks(b):
             replaced = _replaced(tree, mask, b)
             if replaced is None:  # the examples outside are copies of those inside
+                if engine.lockstep:
+                    # nothing to compare, but the other ranks run this pass (under FSDP2
+                    # each forward gathers parameters from all ranks): run it too
+                    restart()
+                    engine.probe(*tree)
                 continue
             restart()
             try:

@@ -3,7 +3,9 @@
 Every rank draws the same global mask (same seed) and keeps the positions
 ``rank, rank + W, ...`` of the sorted batch (:func:`shard_indices`): the union
 over ranks is the batch one process would draw, split disjointly into shares
-whose sizes differ by at most one.
+whose sizes differ by at most one. A secure sampler (``secure_mode``: the OS's
+CSPRNG, no seed) cannot be drawn alike on every rank: rank 0 draws each global
+batch and broadcasts it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dptrain.data.poisson import (
     pack_units,
     split_physical,
 )
+from dptrain.distributed.collectives import _broadcast_object
 from dptrain.distributed.context import _rank_and_world
 
 __all__ = ["DistributedDPDataLoader", "RankBatch", "equal_chunk_sizes", "shard_indices"]
@@ -216,19 +219,9 @@ class DistributedDPDataLoader:
         self.sampler: PoissonBatchSampler = loader.sampler
         # user-level DP: the sampler draws units (users), each rank takes whole units
         self.unit_members = getattr(loader, "unit_members", None)
-        if equal_chunks and self.unit_members is not None:
-            largest = max((len(m) for m in self.unit_members), default=0)
-            if largest > chunk:
-                # a user cut across chunks is clipped after its last part (add_to_unit),
-                # a backward of another shape than other ranks' chunks run at that time
-                raise ValueError(
-                    f"max_physical_batch_size={chunk} is not allowed with user-level DP on "
-                    f"a sharded model: the largest user has {largest} records, and under "
-                    "FSDP each user must fit in one chunk (every rank runs the same passes); "
-                    f"give max_physical_batch_size >= {largest}"
-                )
         self.equal_chunks = equal_chunks
         self.chunk_key = getattr(loader, "chunk_key", None)
+        self.group = group
 
     @property
     def seed(self) -> int | None:
@@ -239,9 +232,32 @@ class DistributedDPDataLoader:
         """Mean size of the whole logical batch at ``step``: q N (over all ranks)."""
         return self.sampler.sample_rate_at(step) * self.dataset_size
 
+    def _global_batches(self) -> Iterator[tuple[int, list[int]]]:
+        """(step, the global batch's indices), the same on every rank."""
+        if not (self.sampler.secure and self.world_size > 1):
+            for indices in self.sampler:  # the same seed: every rank draws the same mask
+                yield self.sampler.steps_drawn - 1, indices
+            return
+        # Secure sampling has no seed to share: rank 0 draws from the OS's CSPRNG and
+        # broadcasts the batch (one broadcast per step; the other ranks draw nothing).
+        mine = iter(self.sampler) if self.rank == 0 else None
+        while True:
+            drawn = None
+            if mine is not None:
+                indices = next(mine, None)
+                if indices is not None:
+                    drawn = (self.sampler.steps_drawn - 1, indices)
+            drawn = _broadcast_object(drawn, self.group)
+            if drawn is None:
+                return
+            if mine is None:  # keep the step count (checkpoints, resumes) as rank 0's
+                state = self.sampler.state_dict()
+                state["steps_drawn"] = drawn[0] + 1
+                self.sampler.load_state_dict(state)
+            yield drawn
+
     def __iter__(self) -> Iterator[RankBatch]:
-        for indices in self.sampler:  # the global batch, the same on every rank
-            step = self.sampler.steps_drawn - 1
+        for step, indices in self._global_batches():
             mine = order_for_chunks(
                 shard_indices(indices, self.rank, self.world_size),
                 self.chunk_key,
@@ -307,35 +323,71 @@ class DistributedDPDataLoader:
         )
 
     def _equal_unit_chunks(self, indices, mine: list[int], q: float, step: int) -> RankBatch:
-        """User-level DP on a sharded model: every rank packs its users whole (as
-        without sharding) and knows every other rank's packing (the same global batch),
-        so all run the largest number of chunks, each of the largest size any rank has
-        at that position. A shorter chunk ends in padding rows (a copy of a record of the
-        batch's first user), which form one unit of their own, the chunk's last, whose
-        losses are multiplied by 0 (:meth:`~dptrain.PrivateTraining.backward`)."""
+        """User-level DP on a sharded model: every rank packs its users as without
+        sharding (:func:`~dptrain.data.pack_units`) and knows every other rank's packing
+        (the same global batch), so all run the same passes in the same order:
+
+        1. the chunks of whole users: the largest number any rank has, each of the
+           largest size any rank has at that position. A shorter chunk ends in padding
+           rows (copies of a record of the batch's first user), one unit of their own,
+           the chunk's last;
+        2. the users larger than a chunk, one slot each: slot m holds each rank's m-th
+           such user, in the largest number of parts any rank's user at m has, each part
+           of the largest size at its position. A user with fewer parts, or a shorter
+           part, is padded with copies of its own first record (so its gradient is a
+           function of its records alone), and a rank without an m-th large user runs
+           padding only, as one unit of its own. Every rank thus accumulates one unit
+           over the slot's parts (``add_to_unit``) and clips it at the same last part.
+
+        Padding rows' losses are multiplied by 0 (:meth:`~dptrain.PrivateTraining.backward`):
+        their gradient is exactly zero.
+        """
         members = self.unit_members
         assert members is not None
 
-        def packing(rank: int) -> list:
+        def packing(rank: int) -> tuple[list, list[list]]:
             share = order_for_chunks(
                 shard_indices(indices, rank, self.world_size), self.chunk_key, members
             )
-            return pack_units([members[u] for u in share], self.max_physical_batch_size)
+            whole, large = [], []
+            for recs, unit in pack_units([members[u] for u in share], self.max_physical_batch_size):
+                if unit.parts == 1:
+                    whole.append((recs, unit))
+                elif unit.part == 0:
+                    large.append([recs])
+                else:
+                    large[-1].append(recs)
+            return whole, large
 
         packs = [packing(r) for r in range(self.world_size)]
-        count = max(len(p) for p in packs)
-        sizes = [max(len(p[j][0]) if j < len(p) else 0 for p in packs) for j in range(count)]
-        filler = members[indices[0]][0] if count else 0
+        filler = members[indices[0]][0] if len(indices) else 0
+        pad_unit = len(mine)  # the padding rows' unit: an index no user of this batch has
         chunks, units, padding = [], [], []
-        for j, size in enumerate(sizes):
-            recs, unit = packs[self.rank][j] if j < len(packs[self.rank]) else ([], None)
-            pad = size - len(recs)
-            ids = unit.ids if unit is not None else torch.zeros(0, dtype=torch.long)
-            # the padding rows' unit: an index no user of this rank's batch has
-            ids = torch.cat([ids, torch.full((pad,), len(mine), dtype=torch.long)])
-            chunks.append(self.collate_fn([self.dataset[i] for i in [*recs, *[filler] * pad]]))
-            units.append(ChunkUnits(ids))
+
+        def emit(recs: list[int], pad: int, fill: int, unit: ChunkUnits) -> None:
+            chunks.append(self.collate_fn([self.dataset[i] for i in [*recs, *[fill] * pad]]))
+            units.append(unit)
             padding.append(pad)
+
+        whole = [p[0] for p in packs]
+        for j in range(max(len(w) for w in whole)):
+            size = max(len(w[j][0]) if j < len(w) else 0 for w in whole)
+            recs, unit = whole[self.rank][j] if j < len(whole[self.rank]) else ([], None)
+            ids = unit.ids if unit is not None else torch.zeros(0, dtype=torch.long)
+            pad = size - len(recs)
+            ids = torch.cat([ids, torch.full((pad,), pad_unit, dtype=torch.long)])
+            emit(recs, pad, filler, ChunkUnits(ids))
+        large = [p[1] for p in packs]
+        for m in range(max(len(g) for g in large)):
+            slot = [g[m] if m < len(g) else [] for g in large]
+            parts = max(len(user) for user in slot)
+            user = slot[self.rank]
+            fill = user[0][0] if user else filler
+            for k in range(parts):
+                size = max(len(u[k]) if k < len(u) else 0 for u in slot)
+                recs = user[k] if k < len(user) else []
+                ids = torch.full((size,), pad_unit if not user else m, dtype=torch.long)
+                emit(recs, size - len(recs), fill, ChunkUnits(ids, k, parts))
         return RankBatch(
             chunks=chunks,
             size=sum(len(members[u]) for u in mine),

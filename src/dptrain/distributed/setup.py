@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptrain._checks import check_positive
 from dptrain.accounting import PrivacyLedger
 from dptrain.distributed.collectives import _broadcast_module_state, _raise_on_every_rank
 from dptrain.distributed.context import DistributedConfigError, _rank_and_world
@@ -62,6 +63,7 @@ def make_private_distributed(
     ledger: PrivacyLedger | None = None,
     group: Any = None,
     bucket_cap_mb: float = 25.0,
+    secure_mode: bool = False,
 ) -> PrivateTraining:
     """:func:`~dptrain.make_private` for each of W processes: call it on every rank alike.
 
@@ -81,7 +83,12 @@ def make_private_distributed(
             and every rank uses it (logged on rank 0).
         ledger: continue this ledger (read on rank 0; every rank gets a copy).
         group: the process group (default: the default group; none: one process).
-        bucket_cap_mb: size of the flattened all-reduce buckets.
+        bucket_cap_mb: size of the flattened all-reduce buckets (on a sharded model:
+            of the clipped sums reduce-scattered by one collective).
+        secure_mode: as for :func:`~dptrain.make_private` (noise and sampling from the
+            OS's CSPRNG; ``seed`` must be None), on an FSDP2-sharded model only: rank 0
+            draws each Poisson batch and broadcasts it, and each rank draws the noise of
+            the coordinates it owns (:mod:`dptrain.distributed.sharded_optimizer`).
 
     Before building anything every rank's configuration is checked against
     the others' (:class:`~dptrain.distributed.DistributedConfigError` on every
@@ -117,6 +124,7 @@ def make_private_distributed(
         "privacy_unit": privacy_unit,
         "user_ids": None if user_ids is None else _digest_ids(user_ids),
         "bucket_cap_mb": bucket_cap_mb,
+        "secure_mode": secure_mode,
     }
     if privacy_unit is None:
         privacy_unit = "example" if user_ids is None else "user"
@@ -126,17 +134,20 @@ def make_private_distributed(
     chunk: int | None = None
     try:
         chunk = _per_rank_chunk(max_physical_batch_size, global_physical_batch_size, world)
+        _check_secure_mode(secure_mode, seed, sharded)
+        check_positive("bucket_cap_mb", bucket_cap_mb)
         fingerprint = _config_fingerprint(model, optimizer, data, settings)
     except Exception as exc:
         local_error = exc
     proposal = None
     if rank == 0:
-        drawn = seed if seed is not None else torch.Generator().seed()
+        # (secure mode has no seed: its noise and batches are drawn from the OS's CSPRNG)
+        drawn = seed if seed is not None or secure_mode else torch.Generator().seed()
         ledger0 = ledger if ledger is not None else PrivacyLedger(privacy_unit=privacy_unit)
         proposal = (drawn, ledger0.state_dict())
     payloads = _raise_on_every_rank(what, local_error, fingerprint, group, proposal)
     shared_seed, ledger_state = payloads[0]
-    if seed is None and rank == 0:
+    if seed is None and not secure_mode and rank == 0:
         log.info("sampling and noise seed %d (drawn from the OS on rank 0)", shared_seed)
     local_ledger = ledger if ledger is not None else PrivacyLedger(privacy_unit=privacy_unit)
     local_ledger.load_state_dict(ledger_state)
@@ -171,6 +182,7 @@ def make_private_distributed(
                 privacy_unit=privacy_unit,
                 user_ids=user_ids,
                 ledger=local_ledger,
+                secure_mode=secure_mode,
             )
         base_opt = private.optimizer
         loader = DistributedDPDataLoader.from_loader(
@@ -196,9 +208,11 @@ def make_private_distributed(
             engine = private.engine
             sharding = FSDPSharding(model, engine.module_rules)
             sharding.refuse_unsharded({n: engine.parameter(n) for n in engine.parameter_names})
-            engine.shard(sharding, ShardedGradStore())
+            engine.shard(sharding, ShardedGradStore(int(bucket_cap_mb * 2**20)))
             names = {id(engine.parameter(n)): n for n in engine.parameter_names}
-            dp_optimizer = ShardedDPOptimizer(base_opt.original_optimizer, names=names, **same)
+            dp_optimizer = ShardedDPOptimizer(
+                base_opt.original_optimizer, names=names, secure_mode=secure_mode, **same
+            )
         else:
             dp_optimizer = DistributedDPOptimizer(
                 base_opt.original_optimizer, bucket_cap_mb=bucket_cap_mb, **same
@@ -248,6 +262,28 @@ def make_private_distributed(
             result.data_loader.loader.max_physical_batch_size,
         )
     return result
+
+
+def _check_secure_mode(secure_mode: Any, seed: int | None, sharded: bool) -> None:
+    """Refuse secure_mode where it cannot hold: with a seed, or on an unsharded model
+    (whose replicated noise is rank 0's seeded draw)."""
+    if not isinstance(secure_mode, bool):
+        raise ValueError(f"secure_mode={secure_mode!r} is not allowed: expected True or False")
+    if not secure_mode:
+        return
+    if seed is not None:
+        raise ValueError(
+            f"secure_mode=True with seed={seed!r}: secure noise and sampling come from the "
+            "OS's CSPRNG and cannot be seeded (a known seed would let anyone recompute the "
+            "noise); drop the seed"
+        )
+    if not sharded:
+        raise ValueError(
+            "secure_mode=True is not allowed with make_private_distributed on an unsharded "
+            "(replicated) model: its noise is drawn by rank 0 from a seeded generator. "
+            "secure_mode is supported in one process (make_private) and on an FSDP2-sharded "
+            "model (fully_shard)"
+        )
 
 
 def _digest_ids(user_ids: Any) -> str:

@@ -23,8 +23,14 @@ parameter at a time: no extra memory beyond one parameter's full shape). On a
 GPU this is a few milliseconds per billion coordinates; a generator that can
 skip ahead (Philox offsets) would let each rank draw only its shard.
 
-``secure_mode`` (noise from the OS's CSPRNG) has no keys: each rank then draws
-its own shard's noise from its own CSPRNG stream.
+``secure_mode`` (noise from the OS's CSPRNG, :mod:`dptrain.secure_random`) has no
+keys: each rank draws the noise of the coordinates it owns, and only those, with
+:func:`~dptrain.secure_random.secure_normal` (the one-process secure draw), from its
+own process's ``os.urandom``. Each coordinate is still noised once, by its owner;
+the streams of different ranks and steps are independent draws of the kernel's
+CSPRNG, never a function of a seed; and the noised update depends on the sharding only
+through which rank drew which coordinate. Rank 0 draws the Poisson batches and
+broadcasts them (:mod:`dptrain.distributed.sampling`).
 """
 
 from __future__ import annotations

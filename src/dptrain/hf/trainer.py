@@ -46,7 +46,10 @@ How it sits in Trainer's loop (read against transformers 5.23), and why
   it) goes through :func:`~dptrain.distributed.make_private_distributed`'s sharded
   path: per-example clipping on the gathered weights, each clipped sum reduced into
   the rank's shard, equal chunks on every rank (padding rows of weight 0), keyed
-  noise (:mod:`dptrain.distributed.sharded_optimizer`). Trainer treats it as
+  noise (:mod:`dptrain.distributed.sharded_optimizer`; with ``secure_mode``, each
+  rank's coordinates from the OS's CSPRNG and rank 0's batches broadcast), users of
+  ``group_by`` packed whole per rank (one larger than a chunk accumulated over the
+  same number of parts on every rank). Trainer treats it as
   "sharded at load time": no DDP wrapper (its construction would broadcast rank 0's
   shards over the others'), no move; ``save_model`` gathers the shards.
 * **accelerate's FSDP2 plugin** (``fsdp=`` / ``fsdp_config=``, or ``accelerate
@@ -362,9 +365,7 @@ def _check_training_args(args: TrainingArguments) -> None:
     _check_fsdp_arguments(args)
 
 
-def _check_sharded_model(
-    model: nn.Module, args: TrainingArguments, privacy_args: PrivacyArguments
-) -> bool:
+def _check_sharded_model(model: nn.Module, args: TrainingArguments) -> bool:
     """Whether ``model`` is sharded with FSDP2; refuses what DPTrainer cannot do with it.
 
     FSDP1 (``FullyShardedDataParallel``) is refused with
@@ -406,18 +407,6 @@ def _check_sharded_model(
             "loads the best checkpoint's whole weights into the model, which does not fit "
             "sharded parameters; leave it False and load the chosen checkpoint's folder with "
             "from_pretrained (every checkpoint holds the gathered weights)"
-        )
-    if privacy_args.group_by is not None:
-        raise UnsupportedTrainingArgumentsError(
-            f"PrivacyArguments.group_by={privacy_args.group_by!r} is not allowed with an "
-            "FSDP2-sharded model: DPTrainer does not run user-level DP on a sharded model "
-            "yet (make_private_distributed does, with user_ids=); train the model unsharded "
-            "(one process or DDP) or drop group_by"
-        )
-    if privacy_args.secure_mode:
-        raise PrivacyArgumentsError(
-            "secure_mode=True is not allowed with an FSDP2-sharded model: the ranks draw "
-            "each shard's noise from keys of a shared seed, which secure mode does away with"
         )
     return True
 
@@ -476,7 +465,7 @@ class DPTrainer(Trainer):
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         _check_training_args(args)
-        sharded = _check_sharded_model(model, args, privacy_args) if model is not None else False
+        sharded = _check_sharded_model(model, args) if model is not None else False
         self._check_no_custom_sampler()
         num_records = check_map_style(train_dataset)
         unit_ids = None
@@ -732,15 +721,22 @@ class DPTrainer(Trainer):
             "privacy_unit": plan.privacy_unit,
         }
         if plan.world_size > 1:
-            if self.privacy_args.secure_mode:
-                # every rank draws the same batches from one shared seed, which is what
-                # secure mode does away with
+            if self.privacy_args.secure_mode and not self._sharded:
+                # replicas: rank 0 draws the noise and every rank the same batches from one
+                # shared seed, which is what secure mode does away with
                 raise PrivacyArgumentsError(
-                    f"secure_mode=True is not allowed with {plan.world_size} processes: the "
-                    "ranks agree on each batch through a shared seed; train in one process"
+                    f"secure_mode=True is not allowed with {plan.world_size} processes on an "
+                    "unsharded (DDP) model: the ranks agree on each batch and noise through "
+                    "a shared seed; train in one process, or shard the model with FSDP2 "
+                    "(fully_shard), whose ranks draw secure noise for their own shards"
                 )
             private = make_private_distributed(
-                self.model, optimizer, self.train_dataset, user_ids=self._unit_ids, **common
+                self.model,
+                optimizer,
+                self.train_dataset,
+                user_ids=self._unit_ids,
+                secure_mode=self.privacy_args.secure_mode,
+                **common,
             )
         else:
             private = make_private(

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.distributed import make_private_distributed
+from dptrain.distributed import make_private_distributed, sharded_optimizer
 from dptrain.losses import per_example_cross_entropy
 from dptrain.privacy_engine import make_private
 
@@ -99,13 +99,22 @@ def private_run(
     device: str = "cpu",
     users: bool | str = False,
     secure: bool = False,
+    noise_block: int | None = None,
 ) -> dict:
     """``steps`` private steps (SGD, lr 1); the clipped sums of the first step (before
     noise), the initial and final parameters, full, by name, and the records each step
     put through this rank (dataset indices, padding left out).
 
     ``users``: True: users of 2 records; "big": :data:`BIG_USERS`. ``secure``:
-    secure_mode (no seed)."""
+    secure_mode (no seed). ``noise_block``: coordinates per noise key for this run
+    (sharded_optimizer.NOISE_BLOCK), small so that shards start and end inside blocks."""
+    if noise_block is not None:
+        settings = {**locals(), "noise_block": None}
+        saved, sharded_optimizer.NOISE_BLOCK = sharded_optimizer.NOISE_BLOCK, noise_block
+        try:
+            return private_run(**settings)
+        finally:
+            sharded_optimizer.NOISE_BLOCK = saved
     model = llama(lora, dtype).to(device)
     if sharded:
         model = shard(model, device)

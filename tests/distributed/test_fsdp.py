@@ -13,11 +13,12 @@ import math
 import pytest
 import torch
 
-from dptrain.distributed import spawn
+from dptrain.distributed import sharded_optimizer, spawn
 from dptrain.distributed.sharded_optimizer import noise_seed
 from tests.distributed import fsdp_run
 from tests.distributed.fsdp_run import N_RECORDS, SEED, C
 
+NOISE_BLOCK = 100
 OUTLIER = 17  # a record of the dataset; with batch N and q = 1 every record is sampled
 CASES = {
     "book_keeping": dict(mode="book_keeping"),
@@ -26,7 +27,9 @@ CASES = {
     "automatic": dict(clipping="automatic"),
     "lora": dict(lora=True),
     "bf16": dict(dtype=torch.bfloat16),
-    "noised": dict(sigma=1.0),
+    # noise keyed per block of 100 coordinates: shards (1/2, 1/4 of each parameter's
+    # rows) start and end inside blocks, and each rank draws only the blocks it overlaps
+    "noised": dict(sigma=1.0, noise_block=NOISE_BLOCK),
     "outlier": dict(batch=N_RECORDS, chunk=7, outlier=OUTLIER, scale=1e6),
     "removed": dict(batch=N_RECORDS, chunk=7, outlier=OUTLIER, scale=0.0),
     "make_private": dict(entry="make_private"),
@@ -137,17 +140,27 @@ def test_make_private_on_a_sharded_model_shards_too(two, reference):
         _assert_close(rank["make_private"]["sums"], ref["sums"], 1e-6)
 
 
-def test_noised_update_is_the_one_process_update_with_keyed_noise(two, reference):
-    """p1 = p0 - (S + z) / (q N), z drawn whole from the key of (seed, step 0, name): each
-    rank added its own shard's coordinates of one draw (two ranks adding the same
-    stream, or any coordinate twice, would not give this)."""
-    ref = reference("noised")
-    run = two["ranks"][0]["noised"]
+def _expected_noised(run: dict, sums: dict, monkeypatch) -> dict:
+    """p0 - (S + z) / (q N), z parameter by parameter, drawn whole from the keys of (seed,
+    step 0, name, block) with the run's blocks."""
+    monkeypatch.setattr(sharded_optimizer, "NOISE_BLOCK", NOISE_BLOCK)
     expected = {}
     for name, p0 in run["initial"].items():
-        gen = torch.Generator().manual_seed(noise_seed(SEED, 0, name))
-        z = torch.empty(p0.shape, dtype=torch.float32).normal_(0.0, 1.0 * C, generator=gen)
-        expected[name] = p0 - (ref["sums"][name] + z.double()) / run["divisor"]
+        n = p0.numel()
+        z = sharded_optimizer.keyed_noise(SEED, 0, name, n, 0, n, 1.0 * C).view(p0.shape)
+        expected[name] = p0 - (sums[name] + z.double()) / run["divisor"]
+    return expected
+
+
+def test_noised_update_is_the_one_process_update_with_keyed_noise(two, reference, monkeypatch):
+    """p1 = p0 - (S + z) / (q N), z the keyed draw of the whole parameter: each rank drew
+    the blocks its shard overlaps and added its own coordinates (two ranks adding the same
+    stream, any coordinate twice or a block's coordinates from another block's key would
+    not give this)."""
+    ref = reference("noised")
+    run = two["ranks"][0]["noised"]
+    expected = _expected_noised(run, ref["sums"], monkeypatch)
+    assert any(p.numel() > 2 * NOISE_BLOCK for p in run["initial"].values())
     for rank in two["ranks"]:
         _assert_close(rank["noised"]["params"], expected, 1e-6)
     # and the noise is there: the update is far from the clipped sum alone
@@ -239,7 +252,7 @@ def test_cuda_fsdp2_one_process_smoke():
     assert 0.99 * C <= moved <= C * (1 + 1e-5), moved
 
 
-def test_four_processes_equal_one(reference):
+def test_four_processes_equal_one(reference, monkeypatch):
     names = ("book_keeping", "noised", "outlier", "removed")
     four = _run(4, names)
     for rank in four["ranks"]:
@@ -251,6 +264,10 @@ def test_four_processes_equal_one(reference):
     for rank in four["ranks"][1:]:
         for name, t in two_like["params"].items():
             assert torch.equal(rank["noised"]["params"][name], t)
+    # the same noise as one process's keyed draw (and two processes'): blocks are fixed
+    # by the parameter, not by the sharding
+    expected = _expected_noised(two_like, reference("noised")["sums"], monkeypatch)
+    _assert_close(two_like["params"], expected, 1e-6)
 
 
 # -- secure_mode on a sharded model ------------------------------------------------------------

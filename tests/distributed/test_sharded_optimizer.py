@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dptrain.distributed.sharded_optimizer import ShardedDPOptimizer, noise_seed
+from dptrain.distributed.sharded_optimizer import ShardedDPOptimizer, keyed_noise, noise_seed
 
 SIGMA, C, EB, SEED = 2.0, 0.5, 8.0, 21
 
@@ -84,3 +84,26 @@ def test_secure_mode_draws_unkeyed_noise_of_the_right_scale():
     gen = torch.Generator().manual_seed(noise_seed(SEED, 0, "layer.weight"))
     keyed = torch.empty(200, 50).normal_(0.0, SIGMA * C, generator=gen)
     assert not torch.allclose(z, keyed)
+
+
+def test_any_range_of_the_keyed_noise_is_the_same_slice_of_the_whole(monkeypatch):
+    """Blocks of NOISE_BLOCK coordinates, each with its own key: a rank drawing its shard's
+    range gets exactly those coordinates of the whole draw, whatever the range."""
+    from dptrain.distributed import sharded_optimizer
+
+    monkeypatch.setattr(sharded_optimizer, "NOISE_BLOCK", 7)
+    whole = keyed_noise(SEED, 3, "w", 50, 0, 50, 2.0)
+    for a, b in [(0, 7), (3, 20), (14, 50), (49, 50), (10, 10), (6, 8)]:
+        assert torch.equal(keyed_noise(SEED, 3, "w", 50, a, b, 2.0), whole[a:b]), (a, b)
+    # block j is the stream of key j: not a copy of another block or step
+    gen = torch.Generator().manual_seed(noise_seed(SEED, 3, "w", 2))
+    assert torch.equal(whole[14:21], torch.empty(7).normal_(0.0, 2.0, generator=gen))
+    assert not torch.equal(whole[0:7], whole[7:14])
+    assert not torch.equal(whole, keyed_noise(SEED, 4, "w", 50, 0, 50, 2.0))
+    with pytest.raises(ValueError, match=r"start=5, stop=51: expected 0 <= start <= stop <= 50"):
+        keyed_noise(SEED, 3, "w", 50, 5, 51, 2.0)
+    # the optimizer's noise on an unsharded parameter is the keyed draw
+    p = torch.nn.Parameter(torch.zeros(5, 10))
+    z = _step_noise(_optimizer(p, seed=SEED), p)
+    want = keyed_noise(SEED, 0, "layer.weight", 50, 0, 50, SIGMA * C).view(5, 10)
+    torch.testing.assert_close(z, want, rtol=0, atol=1e-5)

@@ -6,22 +6,24 @@ per coordinate, by the rank that owns the coordinate, so the noised update is
 sum_r S_r + z with one Gaussian draw z of std sigma C per coordinate, as in
 one process.
 
-Where the noise comes from. The noise of parameter ``name`` at ledger step t is
-drawn from a generator seeded with SHA-256(seed, t, name) (:func:`noise_seed`):
-every rank can draw it, and each keeps the coordinates of its shard. So:
+Where the noise comes from. Parameter ``name``'s flattened coordinates are cut into
+blocks of :data:`NOISE_BLOCK`; block j's noise at ledger step t is drawn from a generator
+seeded with SHA-256(seed, t, name, j) (:func:`noise_seed`, :func:`keyed_noise`). Each
+rank draws the blocks its shard overlaps (a dim-0 shard is one contiguous range of the
+flattened parameter) and keeps its shard's coordinates. So:
 
 - no two ranks add the same draw (each adds the coordinates it owns, and the
   shards are disjoint), and no step reuses another's (t is the ledger's step:
   a continued ledger continues the keys too);
-- the noised update does not depend on the number of ranks or the sharding:
-  1, 2 or 4 processes given the same seed produce the same noise, coordinate by
-  coordinate (tests/distributed/test_fsdp.py);
+- the noised update does not depend on the number of ranks or the sharding: the
+  blocks are fixed by the parameter, so 1, 2 or 4 processes given the same seed
+  produce the same noise, coordinate by coordinate (tests/distributed/test_fsdp.py);
 - there is no generator state to checkpoint: a resumed run redraws the same keys.
 
-The cost: each rank draws every parameter's noise and keeps its 1/W of it (one
-parameter at a time: no extra memory beyond one parameter's full shape). On a
-GPU this is a few milliseconds per billion coordinates; a generator that can
-skip ahead (Philox offsets) would let each rank draw only its shard.
+The cost: a rank draws its shard plus at most the two partial blocks at its shard's
+ends, per parameter (a parameter smaller than a block is drawn whole by every rank that
+holds part of it). A placement other than one dim-0 shard (not what ``fully_shard``
+makes) falls back to drawing the whole parameter and keeping the shard's coordinates.
 
 ``secure_mode`` (noise from the OS's CSPRNG, :mod:`dptrain.secure_random`) has no
 keys: each rank draws the noise of the coordinates it owns, and only those, with
@@ -42,21 +44,55 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dptrain._checks import check_positive
 from dptrain.accounting import PrivacyLedger
 from dptrain.optim import DPOptimizer, PrivacyBudgetExhaustedError, StepMetrics
 from dptrain.secure_random import secure_normal
 
-__all__ = ["ShardedDPOptimizer", "noise_seed"]
+__all__ = ["NOISE_BLOCK", "ShardedDPOptimizer", "keyed_noise", "noise_seed"]
+
+#: Coordinates per noise key (module docstring): large enough that seeding a generator
+#: per block costs nothing against the draw, small enough that a rank draws little
+#: beyond its shard.
+NOISE_BLOCK = 1 << 20
 
 
-def noise_seed(seed: int, step: int, name: str) -> int:
-    """The generator seed of parameter ``name``'s noise at ledger step ``step``: 63 bits of
-    SHA-256 over (seed, step, name), so distinct (step, name) pairs never share a stream."""
-    digest = hashlib.sha256(f"dptrain/fsdp-noise/{seed}/{step}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+def noise_seed(seed: int, step: int, name: str, block: int = 0) -> int:
+    """The generator seed of block ``block`` of parameter ``name``'s noise at ledger step
+    ``step``: 63 bits of SHA-256 over (seed, step, name, block), so distinct (step, name,
+    block) never share a stream."""
+    key = f"dptrain/fsdp-noise/{seed}/{step}/{name}/{block}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+
+def keyed_noise(
+    seed: int,
+    step: int,
+    name: str,
+    numel: int,
+    start: int,
+    stop: int,
+    std: float,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Tensor:
+    """Coordinates [start, stop) of parameter ``name``'s flattened noise N(0, std^2) at
+    ledger step ``step`` (``numel`` coordinates in all): the same values whichever range
+    is asked for, since each block of :data:`NOISE_BLOCK` has its own key."""
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"start={start}, stop={stop}: expected 0 <= start <= stop <= {numel}")
+    out = torch.empty(stop - start, dtype=dtype, device=device)
+    for j in range(start // NOISE_BLOCK, -(-stop // NOISE_BLOCK)):
+        lo, hi = j * NOISE_BLOCK, min((j + 1) * NOISE_BLOCK, numel)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(noise_seed(seed, step, name, j))
+        block = torch.empty(hi - lo, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+        a, b = max(lo, start), min(hi, stop)
+        out[a - start : b - start] = block[a - lo : b - lo]
+    return out
 
 
 class ShardedDPOptimizer(DPOptimizer):
@@ -168,13 +204,39 @@ class ShardedDPOptimizer(DPOptimizer):
             return DTensor.from_local(
                 mine, s.device_mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride()
             )
-        gen = torch.Generator(device=local.device)
-        gen.manual_seed(noise_seed(self.seed, step, self.names[id(p)]))
-        full = torch.empty(s.shape, dtype=local.dtype, device=local.device)
-        full.normal_(0.0, std, generator=gen)
-        if not isinstance(s, DTensor):
-            return full
-        # Replicate -> the shard's placements keeps this rank's coordinates: no communication
+        name = self.names[id(p)]
+        rows = _dim0_rows(s) if isinstance(s, DTensor) else (0, s.shape[0] if s.dim() else 1)
+        if rows is not None:  # this rank's rows: one range of the flattened parameter
+            per_row = math.prod(s.shape[1:])
+            mine = keyed_noise(
+                self.seed,
+                step,
+                name,
+                s.numel(),
+                rows[0] * per_row,
+                rows[1] * per_row,
+                std,
+                dtype=local.dtype,
+                device=local.device,
+            ).view(local.shape)
+            if not isinstance(s, DTensor):
+                return mine
+            return DTensor.from_local(
+                mine, s.device_mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride()
+            )
+        # another layout: the whole draw, then Replicate -> the shard's placements keeps
+        # this rank's coordinates (no communication)
+        full = keyed_noise(
+            self.seed,
+            step,
+            name,
+            s.numel(),
+            0,
+            s.numel(),
+            std,
+            dtype=local.dtype,
+            device=local.device,
+        ).view(s.shape)
         whole = DTensor.from_local(
             full, s.device_mesh, [Replicate()] * s.device_mesh.ndim, run_check=False
         )
@@ -206,6 +268,27 @@ class ShardedDPOptimizer(DPOptimizer):
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + ", sharded)"
+
+
+def _dim0_rows(s: DTensor) -> tuple[int, int] | None:
+    """The rows [r0, r1) of ``s`` this rank holds, for one dim-0 shard on a 1-D mesh (what
+    fully_shard makes: torch.chunk's split, ceil(n / W) rows a rank, the last ones
+    shorter or empty); None for any other layout, or a local shard that is not exactly
+    those rows, contiguous."""
+    if s.device_mesh.ndim != 1 or len(s.placements) != 1:
+        return None
+    placement = s.placements[0]
+    if not (isinstance(placement, Shard) and placement.dim == 0) or s.dim() == 0:
+        return None
+    n, world = s.shape[0], s.device_mesh.size()
+    rank = s.device_mesh.get_local_rank()
+    size = -(-n // world)
+    r0 = min(rank * size, n)
+    r1 = min(r0 + size, n)
+    local = s.to_local()
+    if tuple(local.shape) != (r1 - r0, *s.shape[1:]) or not local.is_contiguous():
+        return None
+    return r0, r1
 
 
 def _local_sq(t: Tensor) -> Tensor:

@@ -94,6 +94,15 @@ def _model(lora: bool):
     return model.train()
 
 
+def _losses(model, ids: torch.Tensor) -> torch.Tensor:
+    """Per-example next-token losses (B,), the forward under bf16 autocast."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=ids).logits
+    return F.cross_entropy(
+        logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
+    ).mean(1)
+
+
 def _stepper(method: str, lora: bool, b: int, t: int):
     from dptrain.clipping import ClippingEngine
 
@@ -107,11 +116,7 @@ def _stepper(method: str, lora: bool, b: int, t: int):
 
     def step():
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=ids).logits
-        losses = F.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
-        ).mean(1)
+        losses = _losses(model, ids)
         if engine is None:
             losses.sum().backward()
         else:
@@ -164,12 +169,7 @@ def _margin(lora: bool, b: int, t: int) -> tuple[float, float]:
     for rounding in ("exact", "bounded"):
         engine = ClippingEngine(model, 1e-6, sum_rounding=rounding)
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=ids).logits
-        losses = F.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
-        ).mean(1)
-        factors[rounding] = engine.backward(losses).factors
+        factors[rounding] = engine.backward(_losses(model, ids)).factors
         engine.detach()
     shrink = 1 - factors["bounded"] / factors["exact"]
     return float(shrink.mean()), float(shrink.max())

@@ -11,7 +11,6 @@ as in tests/hf/test_fsdp.py for a model the user shards.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ pytest.importorskip("accelerate")
 from dptrain.distributed import spawn
 from dptrain.hf import DPTrainer, PrivacyArguments
 from dptrain.hf.errors import UnsupportedTrainingArgumentsError
-from tests.hf import _accelerate_fsdp_run, _fsdp_run, tiny
+from tests.hf import _accelerate_fsdp_run, _fsdp_run, fsdp_checks, tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -77,33 +76,12 @@ def test_accelerate_made_the_units(runs):
 def test_noise_is_added_once_and_agrees_across_ranks(runs):
     ranks, _, _ = runs
     (quiet, noised0, *_), (_, noised1, *_) = ranks
-    for name, value in noised0["params"].items():
-        torch.testing.assert_close(noised1["params"][name], value, rtol=0, atol=0, msg=name)
-    assert noised0["ledger"] == noised1["ledger"]
-    assert noised0["ledger"]["segments"] == [
-        {"sample_rate": 0.2, "noise_multiplier": 1.0, "count": 3}
-    ]
-    # as in tests/hf/test_fsdp.py: the 3 steps' noise, lr sigma C / B per coordinate and
-    # step; noise drawn on both ranks would give sqrt(2) times as much, none about 0
-    diff = torch.cat(
-        [(noised0["params"][n] - quiet["params"][n]).flatten() for n in quiet["params"]]
-    )
-    expected = 0.5 * 1.0 * _fsdp_run.C / 8 * math.sqrt(3)
-    ratio = float(diff.std()) / expected
-    assert 0.85 < ratio < 1.2, ratio
+    fsdp_checks.assert_noise_added_once(quiet, noised0, noised1)
 
 
 def test_save_model_writes_the_gathered_weights_and_privacy_json(runs):
-    from transformers import LlamaForCausalLM
-
     ranks, _, folder = runs
-    noised = ranks[0][1]
-    saved = LlamaForCausalLM.from_pretrained(folder / "noised")
-    for name, p in saved.named_parameters():
-        torch.testing.assert_close(p.detach().double(), noised["params"][name], rtol=0, atol=0)
-    report = json.loads((folder / "noised" / "privacy.json").read_text())
-    assert report["training"]["steps_taken"] == 3 and report["training"]["world_size"] == 2
-    assert report["ledger"] == noised["ledger"]
+    fsdp_checks.assert_saved_gathered(folder, ranks[0][1])
 
 
 @pytest.mark.parametrize(

@@ -509,7 +509,7 @@ class DPTrainer(Trainer):
             # accelerate's FSDP plugin, from fsdp= / fsdp_config= or `accelerate launch`
             _check_accelerate_plugin(self.accelerator.state.fsdp_plugin)
             if not sharded:
-                sharded = self._shard_with_accelerate(privacy_args)
+                sharded = self._shard_with_accelerate()
                 self._sharded = sharded
         elif args.fsdp:
             log.warning(
@@ -567,7 +567,7 @@ class DPTrainer(Trainer):
         internal.ignore_data_skip = True
         return internal
 
-    def _shard_with_accelerate(self, privacy_args: PrivacyArguments) -> bool:
+    def _shard_with_accelerate(self) -> bool:
         """Shard the model now, as accelerate's FSDP2 plugin would in ``train()``.
 
         Trainer hands the model to accelerate (``accelerator.prepare(model, optimizer)``)
@@ -591,7 +591,7 @@ class DPTrainer(Trainer):
                 # see those weights rebound. Resharded like the decoder layers (one more
                 # all-gather of the tail in the backward), they are back in place after it.
                 module.set_reshard_after_forward(True, recurse=False)
-        return _check_sharded_model(self.model, self.user_args, privacy_args)
+        return _check_sharded_model(self.model, self.user_args)
 
     def _check_no_custom_sampler(self) -> None:
         cls = type(self)

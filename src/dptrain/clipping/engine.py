@@ -720,7 +720,13 @@ class ClippingEngine:
                 else torch.zeros(b)  # the losses did not depend on any clipped parameter
             )
             margin = _root_sum_sq(margins.values())
-            factors = self.clip_factors(total, loss_scale, margin)
+            # without margins, the call clip_factors had before them: an override written
+            # for (norms, loss_scale) keeps working where nothing rounds
+            factors = (
+                self.clip_factors(total, loss_scale)
+                if margin is None
+                else self.clip_factors(total, loss_scale, margin)
+            )
         if not self._sum_from_records:
             self.clear()
             weights = factors if index is None else factors[index.inverse.to(factors.device)]

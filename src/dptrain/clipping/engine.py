@@ -1049,10 +1049,11 @@ class _CheckView:
 def _root_sum_sq(parts: Iterable[Tensor]) -> Tensor | None:
     """sqrt(sum_k r_k^2) elementwise over per-example bounds r_k; None for none. The
     bounds of different parameters bound orthogonal parts of a gradient."""
-    total = None
-    for r in parts:
-        total = r.square() if total is None else total + r.square()
-    return None if total is None else total.sqrt()
+    parts = list(parts)
+    if not parts:
+        return None
+    # one stacked reduction: 4 ops a step, not 2 per parameter
+    return torch.linalg.vector_norm(torch.stack(parts), dim=0)
 
 
 def _every_name(

@@ -236,7 +236,9 @@ def row_norm_cache() -> Iterator[None]:
         _ROW_NORMS.reset(token)
 
 
-def _row_norms(x: Tensor) -> Tensor:
+def _scaled_row_norms(x: Tensor) -> Tensor:
+    """u ||x_t|| for each row of x, (B, T) in float32 (accumulated in float32): once per
+    tensor within :func:`row_norm_cache`."""
     cache = _ROW_NORMS.get()
     key = None
     if cache is not None:
@@ -244,7 +246,7 @@ def _row_norms(x: Tensor) -> Tensor:
         hit = cache.get(key)
         if hit is not None:
             return hit[1]
-    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # float32 accumulation
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).mul_(ROUNDING_UNIT)
     if cache is not None:
         cache[key] = (x, norms)
     return norms
@@ -253,8 +255,10 @@ def _row_norms(x: Tensor) -> Tensor:
 def rounding_bound(x: Tensor, y: Tensor) -> Tensor:
     """u sum_t ||x_t|| ||y_t||, (B,) in float32, for rows x (B, T, p), y (B, T, d): divided
     by c'_i, a bound on how far rounding the scaled rows (either operand's) to bf16 moves
-    example i's sum c'_i x_i^T y_i (module docstring). Norms accumulate in float32."""
-    return torch.linalg.vecdot(_row_norms(x), _row_norms(y)).mul_(ROUNDING_UNIT)
+    example i's sum c'_i x_i^T y_i (module docstring). Norms accumulate in float32; u
+    multiplies x's (an input several layers read: once)."""
+    ny = torch.linalg.vector_norm(y, dim=-1, dtype=torch.float32)
+    return torch.linalg.vecdot(_scaled_row_norms(x), ny)
 
 
 def scaled_cross(x: Tensor, y: Tensor, factors: Tensor, scale_x: bool) -> Tensor:

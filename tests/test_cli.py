@@ -448,3 +448,14 @@ def test_accounting_demo_json_is_one_line_with_the_privacy_unit(capsys, tmp_path
     assert rec["privacy_unit"] == "example" and rec["delta"] == 1e-5
     assert rec["neighbouring"] == "add_or_remove_one"
     assert rec == json.loads((tmp_path / "accounting_demo.json").read_text())
+
+
+def test_python_dash_m_dptrain_is_the_dptrain_command():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "dptrain", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "usage: dptrain" in out.stdout and "train" in out.stdout

@@ -165,6 +165,8 @@ class NormsAndSums:
         some record is bf16. The engine clips ||g_i|| + sqrt(sum r_i^2) instead of
         ||g_i|| for an example it scales (docs/engine.md, "Precision")."""
         out: dict[str, Tensor] = {}
+        if not self._bounds:  # nothing rounds (the default): no walk over the parameters
+            return out
         for name, uses in self.groups.items():
             if len(uses) > 1 and not is_tied(uses):
                 continue  # summed from per-example gradients in float32: no rounding

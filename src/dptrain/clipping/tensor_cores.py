@@ -174,6 +174,13 @@ def _rounded_rows(factors: Tensor, x: Tensor) -> Tensor:
     return held[2]
 
 
+def _scaled_rows(x: Tensor, factors: Tensor) -> Tensor:
+    """Rows of a low-precision ``x`` times the factors rounded down to 8 bits, in float32:
+    exact (8 x 8 significant bits). bf16 x float32 promotes inside the multiplication
+    (no upcast copy of x)."""
+    return torch.mul(x, _rounded_rows(factors, x))
+
+
 def scaled_split(x: Tensor, factors: Tensor) -> tuple[Tensor, ...]:
     """Rows of a bf16/fp16 ``x`` (B, ...) scaled by ``factors`` rounded down to 8 bits
     (:func:`round_down_bf16`), as parts whose sum is the scaled rows exactly.
@@ -181,9 +188,7 @@ def scaled_split(x: Tensor, factors: Tensor) -> tuple[Tensor, ...]:
     On CUDA with bf16 ``x``: (hi, lo), both bf16 (see the module docstring). Elsewhere:
     one float32 tensor (the same sum, exact in float32), for a float32 GEMM.
     """
-    # bf16 x float32 promotes to float32 inside the multiplication (no upcast copy of x);
-    # exact: 8 x 8 significant bits
-    scaled = torch.mul(x, _rounded_rows(factors, x))
+    scaled = _scaled_rows(x, factors)
     if not (x.is_cuda and x.dtype == torch.bfloat16 and _OUT_DTYPE["ok"]):
         return (scaled,)  # one float32 GEMM: two would be float32 too
     return split_bf16(scaled)
@@ -269,9 +274,8 @@ def scaled_cross(x: Tensor, y: Tensor, factors: Tensor, scale_x: bool) -> Tensor
     operand rounded to bf16 and one GEMM (the contribution within :func:`rounding_bound`
     times c'_i of it)."""
     if _ONE_GEMM.get() and x.dtype == y.dtype == torch.bfloat16:
-        # c' x is exact in float32 (8 x 8 significant bits); .to() is the one rounding
-        # the bound covers
-        rounded = torch.mul(x if scale_x else y, _rounded_rows(factors, x)).to(torch.bfloat16)
+        # .to() is the one rounding the bound covers
+        rounded = _scaled_rows(x if scale_x else y, factors).to(torch.bfloat16)
         left, right = (rounded, y) if scale_x else (x, rounded)
         return mm_f32(left.flatten(0, 1).T, right.flatten(0, 1))
     parts = scaled_split(x if scale_x else y, factors)

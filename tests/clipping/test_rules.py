@@ -206,3 +206,63 @@ def test_a_module_fully_shard_made_a_unit_keeps_its_types_rule():
 
     module.__class__ = Scaled
     assert find_rule(module) is None
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_rmsnorm_neutral_forward_matches_functional_call_runs_no_hooks_and_restores(family):
+    # The rule takes n(x) from the module's own forward with the neutral weight, swapped
+    # into _parameters (functional_call's swap without its Python work): the same tensor
+    # bit for bit, no hook of the module runs, and the weight is back even if forward raises.
+    transformers = pytest.importorskip("transformers")
+    from dptrain.clipping.rules import find_rule
+
+    norm_cls = {
+        "llama": transformers.models.llama.modeling_llama.LlamaRMSNorm,
+        "gemma": transformers.models.gemma.modeling_gemma.GemmaRMSNorm,
+    }[family]
+    norm = norm_cls(6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    rule = find_rule(norm)
+    x = torch.randn(3, 4, 6, dtype=torch.float64).to(torch.bfloat16)
+    neutral = torch.full((6,), 1.0 - rule.offset, dtype=x.dtype)
+    with torch.no_grad():
+        want = torch.func.functional_call(norm, {"weight": neutral}, (x,)).to(x.dtype)
+    calls = []
+    norm.register_forward_hook(lambda *args: calls.append("hook"))
+    weight = norm.weight
+    got = rule._normalised(norm, x)
+    assert torch.equal(got, want) and got.dtype == x.dtype
+    assert calls == [] and norm.weight is weight
+
+    def broken(_x):
+        raise RuntimeError("forward failed")
+
+    norm.forward = broken
+    with pytest.raises(RuntimeError, match="forward failed"):
+        rule._normalised(norm, x)
+    assert norm.weight is weight
+
+
+def test_rmsnorm_with_a_parametrized_weight_takes_the_general_path():
+    # a weight computed on access is not in _parameters: functional_call handles it
+    transformers = pytest.importorskip("transformers")
+    from torch.nn.utils import parametrize
+
+    from dptrain.clipping.rules import RMSNormRule
+
+    norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(5)
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+        def right_inverse(self, w):  # functional_call sets the weight through it
+            return w / 2
+
+    parametrize.register_parametrization(norm, "weight", Doubled())
+    assert "weight" not in norm._parameters
+    x = torch.randn(2, 3, 5)
+    got = RMSNormRule()._normalised(norm, x)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    torch.testing.assert_close(got, x * torch.rsqrt(variance + norm.variance_epsilon))

@@ -248,7 +248,11 @@ def random_state(model: torch.nn.Module) -> tuple:
 
 
 def _cuda_devices(model: torch.nn.Module) -> list[int]:
-    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    # Before CUDA is initialised no tensor can be on a GPU: no walk over the parameters
+    # (run before every training forward; milliseconds for a LoRA model's hundreds).
+    if not torch.cuda.is_initialized():
+        return []
+    return sorted({p.get_device() for p in model.parameters() if p.is_cuda})
 
 
 @contextlib.contextmanager

@@ -185,6 +185,8 @@ def build_records(
 
 def tensor_inputs(args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors among a call's arguments, nested containers included, in order."""
+    if not kwargs and all(isinstance(t, Tensor) for t in args):
+        return list(args)  # the usual call, module(x): same list, without the tree walk
     return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
 
 

@@ -443,15 +443,28 @@ class RMSNormRule(LayerRule):
 
     def _normalised(self, module: nn.Module, a: Tensor) -> Tensor:
         # The neutral weight depends on shape, dtype and device only: made once, not every
-        # step for every norm layer. Never written (functional_call only reads it). From
+        # step for every norm layer. Never written (the module's forward only reads it). From
         # the shape: under FSDP2 module.weight may be a shard (DTensor) by now.
         key = (tuple(module.weight.shape), a.dtype, a.device)
         neutral = self._neutral.get(key)
         if neutral is None:
             neutral = torch.full(key[0], 1.0 - self.offset, dtype=a.dtype, device=a.device)
             self._neutral[key] = neutral
-        with torch.no_grad():  # no_grad also keeps the clipping engine's hooks silent
-            out = torch.func.functional_call(module, {"weight": neutral}, (a,))
+        with torch.no_grad():
+            params = module._parameters
+            if "weight" not in params:  # a weight computed on access (parametrize): general path
+                out = torch.func.functional_call(module, {"weight": neutral}, (a,))
+            else:
+                # functional_call's swap, without its Python work (a tenth of a private
+                # step's host time on a 30-layer Llama at small sizes, where the host is
+                # what a GPU step waits for); forward, not __call__: no hooks run, so no
+                # wrapper (an FSDP2 unit, say) can put its own weight back in between.
+                held = params["weight"]
+                params["weight"] = neutral
+                try:
+                    out = module.forward(a)
+                finally:
+                    params["weight"] = held
         return out.to(a.dtype)
 
     def per_example(self, module, a, g):
@@ -482,6 +495,11 @@ def _trainable(p: Tensor | None) -> bool:
 
 def _param(module: nn.Module, name: str) -> nn.Parameter | None:
     """The parameter ``name`` of ``module`` (a dotted path for a submodule's), or None."""
+    # Registered directly (the usual case: several calls per module and step): the
+    # dict lookup get_parameter ends in, without its path walk.
+    p = module._parameters.get(name)
+    if isinstance(p, nn.Parameter):
+        return p
     try:
         return module.get_parameter(name)
     except AttributeError:

@@ -1,0 +1,139 @@
+"""Host time of a private step where the arithmetic is negligible (a CPU proxy, issue 27).
+
+On a GPU the host issues the kernels: a step whose host work (Python, dispatch) takes
+longer than the kernels waits for the host ("launch-bound"). This script measures that
+host work on a CPU, where it can be isolated: a tied Llama at SmolLM2-135M's depth
+(30 layers) but hidden 32, vocab 128, B 2, T 16, so that the kernels take microseconds and
+the step's wall time is the host's. Non-private (mean loss, ``loss.backward()``, AdamW)
+and dptrain's book-keeping step (per-example losses, ``ClippingEngine.backward``,
+``DPOptimizer`` with noise) alternate in one process, one torch thread, after 3 warm-up
+steps each (the engine's checks run on the first); medians of the timed steps.
+
+    python benchmarks/host_overhead.py                 # full and LoRA r4, bf16 autocast
+    python benchmarks/host_overhead.py --amp off --steps 30
+
+Where the private step's host time goes: ``py-spy record -f raw`` on
+``--only dptrain-bk`` (py-spy is not a dependency; ``pip install py-spy``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+LAYERS, HIDDEN, VOCAB, B, T = 30, 32, 128, 2, 16
+
+
+def _model(lora: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * HIDDEN,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    return model
+
+
+def _step(method: str, lora: bool, amp: bool):
+    """One training step of ``method`` ("nonprivate" or "dptrain-bk") as a closure."""
+    from dptrain.clipping import ClippingEngine
+    from dptrain.optim import DPOptimizer
+
+    model = _model(lora)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (B, T + 1), generator=gen)
+    x, y = ids[:, :-1], ids[:, 1:]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def autocast():
+        return torch.autocast("cpu", torch.bfloat16) if amp else contextlib.nullcontext()
+
+    def logits():
+        return model(input_ids=x).logits.float()
+
+    if method == "nonprivate":
+
+        def step() -> None:
+            opt.zero_grad()
+            with autocast():
+                loss = F.cross_entropy(logits().flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+
+        return step
+    engine = ClippingEngine(model, 1.0)
+    dpopt = DPOptimizer(
+        opt,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=B,
+        sample_rate=0.01,
+        seed=0,
+    )
+
+    def dp_step() -> None:
+        dpopt.zero_grad()
+        with autocast():
+            losses = F.cross_entropy(logits().transpose(1, 2), y, reduction="none").mean(1)
+        engine.backward(losses)
+        dpopt.step()
+
+    return dp_step
+
+
+def measure(lora: bool, amp: bool, steps: int, methods: tuple[str, ...]) -> dict[str, float]:
+    """Median milliseconds per step of each method, run round-robin in this process."""
+    built = {m: _step(m, lora, amp) for m in methods}
+    for step in built.values():
+        for _ in range(3):
+            step()
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(steps):
+        for m, step in built.items():
+            t0 = time.perf_counter()
+            step()
+            times[m].append(time.perf_counter() - t0)
+    return {m: 1e3 * statistics.median(v) for m, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--amp", choices=("bf16", "off"), default="bf16")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per method")
+    parser.add_argument(
+        "--only", choices=("nonprivate", "dptrain-bk"), help="one method (for a profiler)"
+    )
+    parser.add_argument("--workload", choices=("both", "full", "lora"), default="both")
+    a = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    methods = (a.only,) if a.only else ("nonprivate", "dptrain-bk")
+    print(
+        f"| workload ({LAYERS} layers, hidden {HIDDEN}, B {B}, T {T}, amp {a.amp}) "
+        "| non-private ms | dptrain-bk ms | ratio |\n| --- | ---: | ---: | ---: |"
+    )
+    for lora in (False, True) if a.workload == "both" else (a.workload == "lora",):
+        ms = measure(lora, a.amp == "bf16", a.steps, methods)
+        cells = [f"{ms[m]:.1f}" if m in ms else "-" for m in ("nonprivate", "dptrain-bk")]
+        ratio = f"{ms['dptrain-bk'] / ms['nonprivate']:.2f}x" if len(ms) == 2 else "-"
+        print(f"| {'LoRA r4' if lora else 'full'} | {' | '.join(cells)} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

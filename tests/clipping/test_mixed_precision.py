@@ -326,3 +326,69 @@ def test_an_unknown_sum_rounding_is_named():
         match=r"sum_rounding='fast' is not allowed: expected one of \['exact', 'bounded'\]",
     ):
         ClippingEngine(_OneLinear(), 1.0, sum_rounding="fast")
+
+
+class _FewRows(torch.nn.Module):
+    """A bf16 table of 4 rows looked up by 8 x 4,096 tokens (8,192 adds per row), then a
+    fixed readout: autograd's CPU scatter-add accumulates the table's gradient in bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(4, 8).bfloat16()
+        self.register_buffer("readout", torch.randn(8, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x):
+        return torch.tanh(self.emb(x).float()) @ self.readout
+
+
+def _few_rows_losses(model):
+    x = torch.randint(0, 4, (8, 4096), generator=torch.Generator().manual_seed(0))
+
+    def losses():
+        return model(x).pow(2).mean(1)
+
+    return losses
+
+
+def test_a_bf16_tables_gradient_is_checked_within_autograds_accumulation_bound(monkeypatch):
+    # autograd's own bf16 gradient is off by more than the bf16 tolerance (5e-2) here; the
+    # check allows each row what that many bf16 additions may lose (rules.accumulation_bound)
+    from dptrain.clipping import UnsupportedModelError
+    from dptrain.clipping.rules import EmbeddingRule
+
+    model = _FewRows()
+    losses = _few_rows_losses(model)
+    ClippingEngine(model, 1e-3).backward(losses())  # checked: first chunk, not refused
+    # the engine's float32 sum adds 8,192 terms per row: rounding up to k u_32 = 4.9e-4
+    # relative (measured 2.2e-4), hence the slack; the bf16 accumulation is autograd's only
+    outcome, worst = sensitivity(model, losses, 3, max_grad_norm=1e-3, slack=1e-3)
+    assert outcome == PRIVATE and worst > 0.9
+    # without the allowance the same sound table is refused: the bound is what passes it
+    monkeypatch.setattr(EmbeddingRule, "accumulation_bound", lambda *args: {})
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(UnsupportedModelError, match="differs from autograd's"):
+        ClippingEngine(model, 1e-3).backward(losses())
+
+
+def test_the_accumulation_bound_holds_for_bf16_scatter_adds_and_is_zero_for_single_terms():
+    from dptrain.clipping.rules import EmbeddingRule
+
+    rule, gen = EmbeddingRule(), torch.Generator().manual_seed(2)
+    emb = torch.nn.Embedding(6, 5, padding_idx=5).bfloat16()
+    x = torch.randint(0, 4, (3, 2000), generator=gen)
+    x[0, :7] = 5  # padding: no gradient, not counted
+    x[1, 0] = 4  # row 4: one term, added exactly
+    g = torch.randn(3, 2000, 5, generator=gen).bfloat16()
+    weights = torch.tensor([1.0, 0.0, -2.0])
+    bound = rule.accumulation_bound(emb, x, g.float(), weights)["weight"]
+    # autograd's gradient: the embedding backward kernel, in bf16 (weights are powers of
+    # two, so each term w_i g_t is exact in bf16)
+    table = emb.weight.detach().clone().requires_grad_()
+    out = torch.nn.functional.embedding(x, table, padding_idx=5)
+    out.backward(g * weights.view(-1, 1, 1).bfloat16())
+    terms = (g.double() * weights.double().view(-1, 1, 1)) * (x != 5).unsqueeze(-1)
+    exact = torch.zeros(6, 5, dtype=torch.float64).index_add_(0, x.flatten(), terms.flatten(0, 1))
+    gap = (table.grad.double() - exact).abs()
+    assert (gap <= bound.double()).all() and gap[:4].max() > 1e-2 * exact[:4].abs().max()
+    assert (bound[4:] == 0).all()  # row 4 only in example 1 (weight 0); 5 is padding
+    assert rule.accumulation_bound(emb.float(), x, g.float(), weights) == {}

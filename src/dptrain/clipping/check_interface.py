@@ -49,6 +49,11 @@ class Sums(Protocol):
         """sum_i weights_i grad_i of parameter ``name`` from the records (``cache``: the
         rules' whole-module sums for these weights)."""
 
+    def accumulation_bound(self, name: str, records: dict, weights: Tensor) -> Tensor | None:
+        """An elementwise bound on how far autograd's own gradient of ``name`` (for these
+        example weights) may lie from the exact sum, where its kernels add many terms in
+        low precision; None where they round once."""
+
 
 class Reruns(Protocol):
     """What the independence check needs: the last training forward and a way to re-run

@@ -1042,6 +1042,9 @@ class _CheckView:
     def weighted_sum(self, name: str, records: dict, weights: Tensor, cache: dict):
         return self._engine._norms_sums.weighted_sum(name, records, weights, cache)
 
+    def accumulation_bound(self, name: str, records: dict, weights: Tensor):
+        return self._engine._norms_sums.accumulation_bound(name, records, weights)
+
     def probe(self, args: tuple, kwargs: dict) -> dict:
         return self._engine._probe_inputs(args, kwargs)
 

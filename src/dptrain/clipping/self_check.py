@@ -191,7 +191,8 @@ def _subset_backward(
     def param_hook(p):
         name = params[id(p)]
         if records is not None:
-            seen[name] = _gaps(engine.weighted_sum(name, records, weights, sums), p.grad)
+            mine = engine.weighted_sum(name, records, weights, sums)
+            seen[name] = _gaps(mine, p.grad, engine.accumulation_bound(name, records, weights))
         p.grad = None  # autograd's gradient is not kept; the engine's is restored below
 
     if not names:  # nothing recorded reaches a clipped parameter
@@ -313,8 +314,12 @@ def _relative(diff: float, auto: float, mine: float, floor: float) -> float:
     return diff / scale if scale > 0 else 0.0
 
 
-def _gaps(mine: Tensor | None, auto: Tensor | None) -> tuple[float, float, float]:
-    """(max |mine - auto|, max |auto|, max |mine|), None read as zero."""
+def _gaps(
+    mine: Tensor | None, auto: Tensor | None, allowed: Tensor | None = None
+) -> tuple[float, float, float]:
+    """(max |mine - auto|, max |auto|, max |mine|), None read as zero. ``allowed``: an
+    elementwise bound on autograd's own accumulation error (rules.accumulation_bound),
+    taken off each entry's gap before the maximum."""
     if mine is None and auto is None:
         return 0.0, 0.0, 0.0
     ref = auto if auto is not None else mine
@@ -322,7 +327,10 @@ def _gaps(mine: Tensor | None, auto: Tensor | None) -> tuple[float, float, float
     auto = torch.zeros_like(ref) if auto is None else auto
     if not ref.numel():
         return 0.0, 0.0, 0.0
-    return float((mine - auto).abs().max()), float(auto.abs().max()), float(mine.abs().max())
+    gap = (mine.float() - auto.float()).abs() if allowed is not None else (mine - auto).abs()
+    if allowed is not None:
+        gap = (gap - allowed.to(gap.device).view_as(gap)).clamp_min(0)
+    return float(gap.max()), float(auto.abs().max()), float(mine.abs().max())
 
 
 def _describe(call, b: int) -> str:

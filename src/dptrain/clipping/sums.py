@@ -250,6 +250,21 @@ class NormsAndSums:
                     for key in [k for k in sums if isinstance(k, tuple) and k[0] is u]:
                         del sums[key]
 
+    def accumulation_bound(self, name: str, records: Records, weights: Tensor) -> Tensor | None:
+        """How far autograd's gradient of parameter ``name`` for these example weights may
+        lie from the exact sum where its kernels add in low precision (the rules'
+        :meth:`~dptrain.clipping.rules.LayerRule.accumulation_bound`, summed over the uses
+        recorded; each use's kernel adds its own terms). None where no rule gives one."""
+        total = None
+        for u, attr in self.groups[name]:
+            if u not in records:  # streamed: per-example gradients formed, no record
+                continue
+            a, g = for_rule(self.rule(u), *records[u])
+            part = self.rule(u).accumulation_bound(u.module, a, g, weights).get(attr)
+            if part is not None:
+                total = part if total is None else total + part
+        return total
+
     def _weighted_sum_of(self, name, present, records: Records, c: Tensor, sums: dict) -> Tensor:
         if len(self.groups[name]) > 1 and not is_tied(self.groups[name]):
             return weighted_sum({name: self._shared_per_example(present, records)}, c)[name]

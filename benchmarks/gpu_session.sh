@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One GPU session's checks for issue 27, in one call, timed to end within 8 minutes
-# (at most 90 + 330 + 45 s of stages, and start-up):
+# (at most 140 + 290 + 45 s of stages, and start-up):
 #
 #   1. the CUDA tests: the engine's oracle tests on CUDA, generator states on CUDA, and
 #      DPTrainer on CUDA at bf16 and float32, with and without gradient accumulation,
-#      resumed from a checkpoint (tests/hf/test_devices.py); DPTrainer under accelerate's
+#      resumed from a checkpoint (tests/hf/test_devices.py); the sensitivity test at B 64 T 512
+#      and B 16 T 2048 under bf16 autocast and bf16 weights (tests/clipping/test_long_sequences.py);
+#      DPTrainer under accelerate's
 #      FSDP2 plugin in one nccl process against the CPU run (tests/hf/test_accelerate_fsdp.py);
 #   2. `dptrain bench --gpu` at real sizes (Llama at SmolLM2-135M and Llama-3.2-1B sizes,
 #      full and LoRA r16, bf16 autocast and bf16 weights, B 16 / 8, T 512): step time
@@ -39,8 +41,8 @@ set -u
 OUT=${OUT:-/tmp/gpu_session_out}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=/tmp/gpu_session
-TESTS_S=${TESTS_S:-90}
-BENCH_S=${BENCH_S:-330}
+TESTS_S=${TESTS_S:-140}
+BENCH_S=${BENCH_S:-290}
 PROFILE_S=${PROFILE_S:-45}
 mkdir -p "$OUT" "$WORK"
 cd "$ROOT" || exit 1
@@ -73,6 +75,7 @@ say "## CUDA tests (limit ${TESTS_S}s)"
 say ""
 timeout -k 5 "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
     tests/clipping/test_cuda.py tests/clipping/test_tensor_cores.py tests/test_generators.py \
+    tests/clipping/test_long_sequences.py \
     tests/test_supported.py tests/distributed/test_fsdp.py tests/hf/test_accelerate_fsdp.py \
     "tests/hf/test_devices.py" -k "cuda or test_supported or test_generators" \
     -rs 2>&1 | tee "$WORK/tests.log" | tail -n 25

@@ -23,7 +23,8 @@ torch thread, so every operator has finished when a timer stops) around:
   module kind (q/k/v/o/gate/up/down, the streamed modules' held gradients, the tied
   embedding's phantom norm with its embedding ghost norm, head Gram inner product
   and cross term), the clip factors, the book-keeping sums per module kind and their
-  addition to ``p.grad``, ghost's second backward (``Tensor.backward``).
+  addition to ``p.grad``, ghost's second backward (``Tensor.backward``); the
+  self-check's masked backwards show as ``torch.autograd.backward`` under it.
 
 The wrapped names are internals, so they rot when the engine is refactored. They are
 all listed in :data:`TARGETS` and resolved before anything runs: if any is missing

@@ -41,7 +41,8 @@ def _llama(weights: str, device: str):
     ("device", "b", "t"),
     [
         ("cpu", 64, 512),
-        ("cpu", 16, 2048),
+        # the longer CPU runs take 10-40 s each: run by hand with -m slow
+        pytest.param("cpu", 16, 2048, marks=pytest.mark.slow),
         pytest.param("cpu", 64, 2048, marks=pytest.mark.slow),
         pytest.param("cuda", 64, 512, marks=needs_cuda),
         pytest.param("cuda", 16, 2048, marks=needs_cuda),

@@ -17,7 +17,7 @@ CUDA, the default) and with ``sum_rounding="bounded"`` (one), it reports, each a
   CPU needs, with the ops of split clipped sums);
 - matrix-product FLOPs per step;
 - peak resident memory of a fresh process running 2 steps (the first, with the
-  engine's full check, included).
+  engine's full check, included), and the increment of a third, steady step alone.
 
 The counts are of a steady step (the third; the engine's checks run on the first) and,
 separately, of the first step. A hand-written dispatch counter, because
@@ -176,17 +176,35 @@ def _margin(lora: bool, b: int, t: int) -> tuple[float, float]:
 
 
 def _peak_child(method: str, lora: bool, b: int, t: int) -> None:
+    from dptrain.clipping.heap import release_free_memory
+
     step = _stepper(method, lora, b, t)
     base = _rss_kib()  # resident now (the peak so far may lie in the imports)
     step()
     step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"increment_mb": (peak - base) / 1024, "peak_mb": peak / 1024}))
+    # A steady step alone: freed pages returned, the high-water mark reset (Linux:
+    # /proc/self/clear_refs), one more step. Its peak over the same base is what a long
+    # run holds; the two-step peak above includes the first step's checks.
+    release_free_memory()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    step()
+    steady = _rss_kib("VmHWM:")
+    print(
+        json.dumps(
+            {
+                "increment_mb": (peak - base) / 1024,
+                "peak_mb": peak / 1024,
+                "steady_increment_mb": (steady - base) / 1024,
+            }
+        )
+    )
 
 
-def _rss_kib() -> int:
+def _rss_kib(field: str = "VmRSS:") -> int:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,9 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "| workload | method | float32 share of GEMM FLOPs, here / on CUDA (steady) "
         "| aten ops x (steady here / steady on CUDA / first) | GEMM FLOPs x, as on CUDA "
-        "(steady / first) | peak x (increment x) |"
+        "(steady / first) | peak x (increment x) | steady step's increment x |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for lora in (False, True):
         rows = {}
         for method in ("nonprivate", "dptrain-bk", "dptrain-bk-bounded"):
@@ -251,8 +269,9 @@ def main(argv: list[str] | None = None) -> None:
                 r["mem"]["peak_mb"] / base["mem"]["peak_mb"],
                 r["mem"]["increment_mb"] / base["mem"]["increment_mb"],
             )
+            steady = r["mem"]["steady_increment_mb"] / base["mem"]["steady_increment_mb"]
             name = "LoRA r16" if lora else "full"
-            print(f"| {name} | {method} | {share} | {ops} | {flops} | {mem} |")
+            print(f"| {name} | {method} | {share} | {ops} | {flops} | {mem} | {steady:.2f} |")
         if args.by_kind:
             mine, plain = rows["dptrain-bk"]["steady"]["kinds"], base["steady"]["kinds"]
             added = Counter({k: mine.get(k, 0) - plain.get(k, 0) for k in {*mine, *plain}})

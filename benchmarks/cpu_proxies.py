@@ -103,7 +103,8 @@ def _losses(model, ids: torch.Tensor) -> torch.Tensor:
     ).mean(1)
 
 
-def _stepper(method: str, lora: bool, b: int, t: int):
+def stepper(method: str, lora: bool, b: int, t: int):
+    """One step (forward, per-example losses, backward) of ``method`` on the proxy model, as a closure."""
     from dptrain.clipping import ClippingEngine
 
     model = _model(lora)
@@ -128,7 +129,7 @@ def _stepper(method: str, lora: bool, b: int, t: int):
 def _counts(method: str, lora: bool, b: int, t: int) -> dict:
     from dptrain.clipping.tensor_cores import flops_emulated, ops_emulated
 
-    step = _stepper(method, lora, b, t)
+    step = stepper(method, lora, b, t)
     out = {}
     for label in ("first", "warm", "steady"):
         counter = _Count()
@@ -178,7 +179,7 @@ def _margin(lora: bool, b: int, t: int) -> tuple[float, float]:
 def _peak_child(method: str, lora: bool, b: int, t: int) -> None:
     from dptrain.clipping.heap import release_free_memory
 
-    step = _stepper(method, lora, b, t)
+    step = stepper(method, lora, b, t)
     base = _rss_kib()  # resident now (the peak so far may lie in the imports)
     step()
     step()

@@ -32,6 +32,7 @@ class LiveTensors(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._alive: dict[int, tuple[int, str]] = {}
+        self._by_label: Counter = Counter()  # the alive bytes by label, kept as they change
         self.at_peak: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -50,28 +51,29 @@ class LiveTensors(TorchDispatchMode):
             if not key or key in self._alive or key in inputs:
                 continue
             n = storage.nbytes()
-            self._alive[key] = (n, f"{func.__name__} {str(t.dtype).removeprefix('torch.')}")
+            label = f"{func.__name__} {str(t.dtype).removeprefix('torch.')}"
+            self._alive[key] = (n, label)
+            self._by_label[label] += n
             self.live += n
             weakref.finalize(storage, self._freed, key)
             if self.live > self.peak:
                 self.peak = self.live
-                self.at_peak = Counter()
-                for size, label in self._alive.values():
-                    self.at_peak[label] += size
+                self.at_peak = self._by_label.copy()
         return out
 
     def _freed(self, key: int) -> None:
-        n, _ = self._alive.pop(key)
+        n, label = self._alive.pop(key)
+        self._by_label[label] -= n
         self.live -= n
 
 
 def _child(method: str, lora: bool) -> None:
     import json
 
-    from cpu_proxies import _stepper
+    from cpu_proxies import stepper
 
     torch.set_num_threads(1)
-    step = _stepper(method, lora, 8, 256)
+    step = stepper(method, lora, 8, 256)
     step()
     step()
     mode = LiveTensors()

@@ -327,9 +327,12 @@ def _gaps(
     auto = torch.zeros_like(ref) if auto is None else auto
     if not ref.numel():
         return 0.0, 0.0, 0.0
-    gap = (mine.float() - auto.float()).abs() if allowed is not None else (mine - auto).abs()
-    if allowed is not None:
-        gap = (gap - allowed.to(gap.device).view_as(gap)).clamp_min(0)
+    if allowed is None:
+        gap = (mine - auto).abs()
+    else:  # in float32, so that subtracting the allowance does not round
+        gap = ((mine.float() - auto.float()).abs() - allowed.to(ref.device).view_as(ref)).clamp_min(
+            0
+        )
     return float(gap.max()), float(auto.abs().max()), float(mine.abs().max())
 
 

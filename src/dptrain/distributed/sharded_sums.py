@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from dptrain.clipping.grad_store import LOW_PRECISION, GradStore
 
-__all__ = ["ShardedGradStore"]
+__all__ = ["ShardedGradStore", "reduce_scatter_flat"]
 
 #: Default bucket of full-shape sums reduced by one collective (as DDP's 25 MB buckets).
 BUCKET_BYTES = 25 * 2**20
@@ -117,7 +117,7 @@ class ShardedGradStore(GradStore):
                 if n:
                     flat[r, at : at + n].copy_(src[r * c * row : r * c * row + n])
         out = torch.empty(part, dtype=dtype, device=device)
-        dist.reduce_scatter_single(out, flat.reshape(-1), group=mesh.get_group())
+        reduce_scatter_flat(out, flat.reshape(-1), mesh.get_group())
         del flat
         for p, _, c, row, at in layout:
             n = _rows_of(p.shape[0], c, rank)
@@ -165,6 +165,16 @@ class ShardedGradStore(GradStore):
             return held[0]
         self._shards.pop(id(p), None)
         return p.grad
+
+
+def reduce_scatter_flat(out: Tensor, flat: Tensor, group: dist.ProcessGroup) -> None:
+    """Sum ``flat`` (W x len(out), rank after rank) over the group into each rank's ``out``.
+
+    torch 2.13 names this collective ``reduce_scatter_single`` and deprecates
+    ``reduce_scatter_tensor``; torch 2.11 (and every release since 1.13) has only the
+    latter. The same collective under either name."""
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    collective(out, flat, group=group)
 
 
 def _row_sharded(p: DTensor) -> bool:

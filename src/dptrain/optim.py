@@ -33,6 +33,7 @@ from dptrain.accounting import PrivacyLedger
 from dptrain.clipping.engine import ClippingEngine, ClipStats
 from dptrain.clipping.precision import LOW_PRECISION, upcast
 from dptrain.generators import canonical_device, restore_generator
+from dptrain.noise import add_noise_, divide_and_publish
 from dptrain.secure_random import secure_normal
 
 __all__ = ["DPOptimizer", "PrivacyBudgetExhaustedError", "StepMetrics", "noisy_clipped_gradient"]
@@ -68,17 +69,17 @@ def _norms(tensors: list[Tensor]) -> list[Tensor]:
 
 
 def _total_norm(norms: list[Tensor]) -> float:
-    """sqrt(sum of squares) of per-tensor norms, read once."""
+    """sqrt(sum of squares) of per-tensor norms, in float64, read once (one host sync)."""
     if not norms:
         return 0.0
     device = norms[0].device
-    return float(torch.stack([n.to(device, torch.float64) for n in norms]).pow(2).sum().sqrt())
+    return float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]).double()))
 
 
 def _sum_to_noise(engine: ClippingEngine | None, p: torch.nn.Parameter) -> Tensor:
     """The clipped sum of ``p`` to noise, in at least float32: ``p.grad`` itself for a
     float32/float64 parameter (made zero if None), a float32 tensor for a float16/bfloat16
-    one (the engine's float32 sum; see :func:`_publish`). Noising a bf16 sum in bf16 would
+    one (the engine's float32 sum; :func:`dptrain.noise.divide_and_publish` casts after). Noising a bf16 sum in bf16 would
     let rounding move it by more than C."""
     s = engine.clipped_sum(p) if engine is not None else p.grad
     if s is None:
@@ -87,12 +88,6 @@ def _sum_to_noise(engine: ClippingEngine | None, p: torch.nn.Parameter) -> Tenso
         p.grad = torch.zeros_like(p)
         return p.grad
     return upcast(s)
-
-
-def _publish(p: torch.nn.Parameter, s: Tensor) -> None:
-    """p.grad <- the noised sum ``s``, cast to p's dtype after the noise (post-processing)."""
-    if s is not p.grad:
-        p.grad = torch.empty_like(p).copy_(s)
 
 
 def _make_generator(seed: int | None, device: torch.device) -> tuple[torch.Generator, int]:
@@ -249,17 +244,16 @@ class DPOptimizer(torch.optim.Optimizer):
         # The diagnostics stay tensors until the end: one host sync per step, not two per
         # parameter (a GPU would otherwise stall on every parameter).
         signal = _norms([s.detach() for s in sums])
-        noise_norms = []
-        for p, s in zip(params, sums, strict=True):
-            if self.secure_mode:
+        if self.secure_mode:
+            noise_norms = []
+            for s in sums:
                 noise = secure_normal(s.shape, std, dtype=s.dtype, device=s.device)
-            else:
-                noise = torch.empty_like(s).normal_(
-                    0.0, std, generator=self._generator_for(p.device)
-                )
-            noise_norms.append(torch.linalg.vector_norm(noise))
-            s.add_(noise).div_(k * self.expected_batch_size)
-            _publish(p, s)
+                noise_norms.append(torch.linalg.vector_norm(noise))
+                s.add_(noise)
+        else:
+            # a few draws, adds and norms for all parameters, not three per parameter
+            noise_norms = add_noise_(sums, std, self._generator_for)
+        divide_and_publish(params, sums, k * self.expected_batch_size)
         self._sums.clear()
         return StepMetrics(
             step=self.steps_taken,
@@ -354,12 +348,15 @@ def noisy_clipped_gradient(
         p.grad = None
     stats = engine.backward(per_example_losses)
     std = sigma * engine.max_grad_norm
-    generators = {generator.device: generator} if generator is not None else {}
-    for p in params:
-        s = _sum_to_noise(engine, p)
-        if p.device not in generators:
-            generators[p.device], _ = _make_generator(None, p.device)
-        noise = torch.empty_like(s).normal_(0.0, std, generator=generators[p.device])
-        s.add_(noise).div_(divisor)
-        _publish(p, s)
+    generators = {canonical_device(generator.device): generator} if generator is not None else {}
+
+    def generator_for(device: torch.device) -> torch.Generator:
+        device = canonical_device(device)
+        if device not in generators:
+            generators[device], _ = _make_generator(None, device)
+        return generators[device]
+
+    sums = [_sum_to_noise(engine, p) for p in params]
+    add_noise_(sums, std, generator_for)
+    divide_and_publish(params, sums, divisor)
     return stats

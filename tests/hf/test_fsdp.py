@@ -16,9 +16,36 @@ import torch
 
 pytest.importorskip("transformers")
 
+from packaging.version import Version
+from transformers import __version__ as transformers_version
+
+from dptrain.clipping import UnsupportedModelError
 from dptrain.distributed import spawn
 from dptrain.hf.errors import PrivacyCheckpointError
+from dptrain.hf.trainer import (
+    SHARDED_MODELS_SINCE,
+    check_trainer_takes_sharded_models,
+)
 from tests.hf import _fsdp_run, fsdp_checks
+
+
+@pytest.mark.parametrize("version", ["5.17.0", "5.18.2", "4.57.1"])
+def test_a_transformers_that_wraps_sharded_models_in_ddp_is_refused_by_name(version):
+    with pytest.raises(
+        UnsupportedModelError, match=rf"transformers >= 5\.19 \(installed: {version}"
+    ):
+        check_trainer_takes_sharded_models(version)
+
+
+@pytest.mark.parametrize("version", ["5.19.0", "5.24.0", "6.0.0.dev0"])
+def test_a_transformers_that_takes_sharded_models_is_let_through(version):
+    check_trainer_takes_sharded_models(version)
+
+
+needs_sharded_models = pytest.mark.skipif(
+    Version(transformers_version) < Version(SHARDED_MODELS_SINCE),
+    reason=f"DPTrainer on a sharded model needs transformers >= {SHARDED_MODELS_SINCE}",
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -33,6 +60,7 @@ def runs(tmp_path_factory):
     return ranks, reference, folder
 
 
+@needs_sharded_models
 def test_sharded_run_equals_one_process(runs):
     ranks, one, _ = runs
     assert one["world_size"] == 1 and one["optimizer"] == "DPOptimizer"
@@ -56,6 +84,7 @@ def test_sharded_run_equals_one_process(runs):
             torch.testing.assert_close(quiet["params"][name], value, rtol=0, atol=1e-6, msg=name)
 
 
+@needs_sharded_models
 def test_every_rank_runs_the_same_chunks(runs):
     ranks, _, _ = runs
     pads = [quiet["padding"] for quiet, *_ in ranks]
@@ -64,12 +93,14 @@ def test_every_rank_runs_the_same_chunks(runs):
     assert any(sum(step) for p in pads for step in p)
 
 
+@needs_sharded_models
 def test_noise_is_added_once_and_agrees_across_ranks(runs):
     ranks, _, _ = runs
     (quiet, noised0, *_), (_, noised1, *_) = ranks
     fsdp_checks.assert_noise_added_once(quiet, noised0, noised1)
 
 
+@needs_sharded_models
 def test_save_model_writes_the_gathered_weights_and_privacy_json(runs):
     ranks, _, folder = runs
     fsdp_checks.assert_saved_gathered(folder, ranks[0][1])
@@ -84,6 +115,7 @@ def resumed(runs):
     return spawn(_fsdp_run.resumed, 2, args, timeout=120, join_timeout=900)
 
 
+@needs_sharded_models
 def test_checkpoints_of_a_sharded_run_hold_shards_not_a_rank_0_optimizer(runs):
     folder = runs[2] / "checkpointed"
     for step in (1, 2, 3, 4):
@@ -109,6 +141,7 @@ def test_checkpoints_of_a_sharded_run_hold_shards_not_a_rank_0_optimizer(runs):
         ]
 
 
+@needs_sharded_models
 def test_resumed_sharded_run_equals_the_uninterrupted_run_bit_for_bit(runs, resumed):
     whole = [rank[3] for rank in runs[0]]
     for run, again in zip(whole, resumed, strict=True):
@@ -132,6 +165,7 @@ def test_resumed_sharded_run_equals_the_uninterrupted_run_bit_for_bit(runs, resu
     assert any(not torch.equal(before[n], v) for n, v in whole[0]["params"].items())
 
 
+@needs_sharded_models
 def test_an_unsharded_run_refuses_a_sharded_checkpoint(runs, tmp_path):
     checkpoint = runs[2] / "checkpointed" / "checkpoint-2"
     trainer = _fsdp_run._trainer(str(tmp_path), False, 4, dict(_fsdp_run.CHECKPOINTED))
@@ -142,6 +176,7 @@ def test_an_unsharded_run_refuses_a_sharded_checkpoint(runs, tmp_path):
     assert trainer.state.global_step == 0
 
 
+@needs_sharded_models
 def test_a_sharded_checkpoint_consolidates_to_its_gathered_weights(runs, tmp_path):
     from transformers import LlamaForCausalLM
 
@@ -166,6 +201,7 @@ def test_a_sharded_checkpoint_consolidates_to_its_gathered_weights(runs, tmp_pat
         ("root", ["UnsupportedModelError", "LlamaForCausalLM", "fully_shard(model)"]),
     ],
 )
+@needs_sharded_models
 def test_unsupported_settings_with_a_sharded_model_are_refused(runs, kind, words):
     message = runs[0][0][2][kind]
     assert message, f"{kind} was accepted"
@@ -182,6 +218,7 @@ def more(tmp_path_factory):
     return ranks, _fsdp_run.train(str(folder / "one"), False, 4, users=True)
 
 
+@needs_sharded_models
 def test_group_by_on_a_sharded_model_equals_one_process(more):
     """PrivacyArguments.group_by on a model sharded with fully_shard: users (1 to 6
     records, chunks of 2 per rank) packed whole per rank, those larger than a chunk
@@ -200,6 +237,7 @@ def test_group_by_on_a_sharded_model_equals_one_process(more):
     assert [len(p) for p in pads[0]] == [len(p) for p in pads[1]]
 
 
+@needs_sharded_models
 def test_secure_mode_on_a_sharded_model_trains(more):
     """secure_mode=True with an FSDP2-sharded model: noise and batches from the OS's
     CSPRNG (the noise statistics: tests/distributed/test_fsdp.py), the same ledger on
@@ -219,6 +257,7 @@ def test_secure_mode_on_a_sharded_model_trains(more):
     assert min(moved) > 0
 
 
+@needs_sharded_models
 @pytest.mark.slow
 def test_lora_ghost_sharded_run_equals_one_process(tmp_path):
     # ~45 s on 2 loaded cores: its own spawn of 2 processes
@@ -234,6 +273,7 @@ def test_lora_ghost_sharded_run_equals_one_process(tmp_path):
             torch.testing.assert_close(rank["params"][name], value, rtol=0, atol=1e-6, msg=name)
 
 
+@needs_sharded_models
 @pytest.mark.slow
 def test_lora_ghost_sharded_run_resumes_bit_for_bit(tmp_path):
     # ~35 s on 2 loaded cores: two spawns of 2 processes (the run, then the resumption)

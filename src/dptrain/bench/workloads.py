@@ -698,6 +698,9 @@ def build_step(
             expected_batch_size=b,
             sample_rate=0.01,
             seed=SEED,
+            # as make_private wires it: the step checks p.grad is the engine's sum, and a
+            # bf16 parameter is noised in the engine's float32 sum, not its rounded copy
+            engine=engine,
         )
 
         def dp_step() -> None:

@@ -987,10 +987,12 @@ class ClippingEngine:
         """
         if self._sharding is not None:
             sums = _every_name(sums, list(self._groups))
-        for name, grad in sums:
-            self._store.add(self.parameter(name), grad)
-            del grad
-        self._store.flush()
+        try:
+            for name, grad in sums:
+                self._store.add(self.parameter(name), grad)
+                del grad
+        finally:
+            self._store.flush()
 
     def clipped_sum(self, p: nn.Parameter) -> Tensor | None:
         """The clipped sum the engine accumulated for ``p`` since its ``p.grad`` was last

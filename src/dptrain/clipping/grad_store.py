@@ -47,9 +47,17 @@ class GradStore:
         # A float16/bfloat16 parameter's clipped sum in float32, by parameter id, with the
         # rounded copy written to p.grad beside it (valid while p.grad is that copy).
         self._float32_sums: dict[int, tuple[Tensor, Tensor]] = {}
+        # what add() left for the flush, by parameter id: (p, its float32 sum, a tensor
+        # to copy into the sum or add to it, "copy" / "add" / None)
+        self._pending: dict[int, tuple[nn.Parameter, Tensor, Tensor | None, str | None]] = {}
 
     def add(self, p: nn.Parameter, grad: Tensor) -> None:
-        """p.grad += grad (in float32 beside a float16/bfloat16 p.grad)."""
+        """p.grad += grad (in float32 beside a float16/bfloat16 p.grad).
+
+        The store takes ``grad``: the caller must neither use nor change it afterwards (a
+        float32 sum in p's layout becomes the held sum itself, with no copy; another is
+        read at the flush). For a float16/bfloat16 parameter the work is done at
+        :meth:`flush`, for all of a chunk's parameters at once."""
         if p.dtype not in LOW_PRECISION:
             grad = grad.to(p.dtype)
             if p.grad is None:
@@ -59,22 +67,58 @@ class GradStore:
             else:
                 p.grad.add_(grad)
             return
+        pending = self._pending.get(id(p))
+        if pending is not None:  # a second sum for p before the flush: done now
+            self._complete(pending)
+            pending[1].add_(grad.to(torch.float32))
+            self._pending[id(p)] = (p, pending[1], None, None)
+            return
         held = self.clipped_sum(p)
-        if held is None:  # p's strides (as above), in float32
-            total = torch.empty_like(p, dtype=torch.float32).copy_(grad)
+        if held is None:
+            if (
+                grad.dtype == torch.float32
+                and grad.device == p.device
+                and grad._base is None
+                and grad.stride() == p.stride()
+                and not grad.requires_grad
+            ):  # the caller's fresh sum, in p's layout: kept as it is
+                self._pending[id(p)] = (p, grad, None, None)
+            else:  # copied into p's strides, in float32, at the flush
+                self._pending[id(p)] = (p, torch.empty_like(p, dtype=torch.float32), grad, "copy")
         elif held.dtype != torch.float32:  # a rounded sum only (written before this store's
-            total = held.float().add_(grad)  # float32 sum existed): kept, as it is
-        else:
-            total = held.add_(grad.to(torch.float32))
-        rounded = torch.empty_like(p)  # p's strides, as above
-        rounded.copy_(total)
-        p.grad = rounded
-        self._float32_sums[id(p)] = (total, rounded)
+            self._pending[id(p)] = (p, held.float().add_(grad), None, None)  # float32 sum)
+        else:  # added at the flush
+            self._pending[id(p)] = (p, held, grad, "add")
+
+    @staticmethod
+    def _complete(entry: tuple) -> None:
+        _, total, src, op = entry
+        if op == "copy":
+            total.copy_(src)
+        elif op == "add":
+            total.add_(src.to(torch.float32))
 
     def flush(self) -> None:
         """Complete the additions made since the last flush (the engine calls it after
-        each chunk's sums, before :meth:`mark`): nothing to do here, where each
-        :meth:`add` is complete; a store that batches its additions does them now."""
+        each chunk's sums, before :meth:`mark`): the copies and additions into the
+        float32 sums, then each float16/bfloat16 ``p.grad`` as the rounded copy of its
+        sum, each as one ``_foreach_`` operation for all parameters (a few kernel
+        launches rather than up to three per parameter)."""
+        if not self._pending:
+            return
+        items = list(self._pending.values())
+        self._pending.clear()
+        copies = [(total, src) for _, total, src, op in items if op == "copy"]
+        if copies:  # copy_ casts
+            torch._foreach_copy_([t for t, _ in copies], [src for _, src in copies])
+        adds = [(total, src) for _, total, src, op in items if op == "add"]
+        if adds:
+            torch._foreach_add_([t for t, _ in adds], [src.to(torch.float32) for _, src in adds])
+        rounded = [torch.empty_like(p) for p, *_ in items]  # p's strides, as above
+        torch._foreach_copy_(rounded, [total for _, total, *_ in items])
+        for (p, total, *_), r in zip(items, rounded, strict=True):
+            p.grad = r
+            self._float32_sums[id(p)] = (total, r)
 
     def mark(self, params: list[nn.Parameter]) -> None:
         """Remember each ``p.grad`` as the store leaves it."""

@@ -13,8 +13,9 @@ from dptrain._checks import check_positive
 from dptrain.accounting import PrivacyLedger
 from dptrain.distributed.collectives import _flat_collective
 from dptrain.distributed.context import _rank_and_world
-from dptrain.generators import restore_generator
-from dptrain.optim import DPOptimizer, PrivacyBudgetExhaustedError, StepMetrics, _publish
+from dptrain.generators import canonical_device, restore_generator
+from dptrain.noise import add_noise_, divide_and_publish, noise_blocks
+from dptrain.optim import DPOptimizer, PrivacyBudgetExhaustedError, StepMetrics
 
 __all__ = ["DistributedDPOptimizer"]
 
@@ -126,13 +127,14 @@ class DistributedDPOptimizer(DPOptimizer):
         start_states: dict[torch.device, Tensor] = {}
         noise_sq = math.nan
         if self.rank == 0 and not stop:
-            noise_sq = 0.0
-            for p, s in zip(params, sums, strict=True):
-                gen = self._generator_for(p.device)
-                start_states.setdefault(p.device, gen.get_state())
-                noise = torch.empty_like(s).normal_(0.0, std, generator=gen)
-                noise_sq += _sq_norm(noise)
-                s.add_(noise)
+            for p in params:
+                start_states.setdefault(p.device, self._generator_for(p.device).get_state())
+            noise_norms = add_noise_(sums, std, self._generator_for)
+            noise_sq = (
+                float(torch.stack([n.to(device) for n in noise_norms]).double().square().sum())
+                if noise_norms
+                else 0.0
+            )
         # Rank 0's decision rides in the first gradient bucket (same device and dtype).
         dtype = sums[0].dtype if sums else torch.float32
         flag = torch.tensor([1.0 if stop else 0.0], dtype=dtype, device=device)
@@ -152,9 +154,7 @@ class DistributedDPOptimizer(DPOptimizer):
         signal_sq = math.nan
         if self.rank == 0:
             signal_sq = self._signal_sq(params, sums, start_states, std)
-        for p, s in zip(params, sums, strict=True):
-            s.div_(k * self.expected_batch_size)
-            _publish(p, s)
+        divide_and_publish(params, sums, k * self.expected_batch_size)
         self._sums.clear()
         self.original_optimizer.step()
         self.ledger.record(self.sample_rate, self.noise_multiplier)
@@ -181,11 +181,11 @@ class DistributedDPOptimizer(DPOptimizer):
         """||reduced sum - noise||^2, redrawing the noise from the states it started from."""
         gens = {}
         for d, state in start_states.items():
-            gens[d] = restore_generator(torch.Generator(device=d), state)
+            gens[canonical_device(d)] = restore_generator(torch.Generator(device=d), state)
         total = 0.0
-        for p, s in zip(params, sums, strict=True):
-            noise = torch.empty_like(s).normal_(0.0, std, generator=gens[p.device])
-            total += _sq_norm(s.detach() - noise)
+        for block, noise in noise_blocks(sums, std, lambda d: gens[canonical_device(d)]):
+            for i, z in zip(block, noise, strict=True):
+                total += _sq_norm(sums[i].detach() - z)
         return total
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]

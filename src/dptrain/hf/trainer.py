@@ -81,6 +81,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import transformers
 from torch import Tensor, nn
 from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
@@ -365,6 +366,29 @@ def _check_training_args(args: TrainingArguments) -> None:
     _check_fsdp_arguments(args)
 
 
+#: The first transformers whose Trainer takes a model already sharded with fully_shard
+#: ("distributed loading": no DDP wrapper, no move); 5.17 and 5.18 wrap it in DDP, whose
+#: construction fails on DTensor parameters (seen on 5.17, GPU session 2026-11-27; 5.19 and
+#: 5.24 pass tests/hf/test_fsdp.py).
+SHARDED_MODELS_SINCE = "5.19"
+
+
+def check_trainer_takes_sharded_models(version: str) -> None:
+    """Refuse a transformers ``version`` whose Trainer cannot train a model the user
+    sharded with FSDP2, naming what to do instead."""
+    from packaging.version import Version
+
+    if Version(version) < Version(SHARDED_MODELS_SINCE):
+        raise UnsupportedModelError(
+            f"the model is sharded with fully_shard, which DPTrainer supports with "
+            f"transformers >= {SHARDED_MODELS_SINCE} (installed: {version}; its Trainer wraps "
+            "an already-sharded model in DistributedDataParallel, which fails on its DTensor "
+            "parameters): upgrade transformers, or pass the unsharded model and let "
+            "accelerate shard it (TrainingArguments(fsdp=..., fsdp_config={'fsdp_version': 2}) or "
+            "`accelerate launch` with an FSDP2 config)"
+        )
+
+
 def _check_sharded_model(model: nn.Module, args: TrainingArguments) -> bool:
     """Whether ``model`` is sharded with FSDP2; refuses what DPTrainer cannot do with it.
 
@@ -387,6 +411,7 @@ def _check_sharded_model(model: nn.Module, args: TrainingArguments) -> bool:
             "fully_shard(layer) for each decoder layer (it also holds the embedding and "
             "the final norm)"
         )
+    check_trainer_takes_sharded_models(transformers.__version__)
     local = next((p.to_local() for p in model.parameters() if hasattr(p, "to_local")), None)
     if local is not None and (
         local.device.type != args.device.type

@@ -285,3 +285,56 @@ def test_rounding_bounds_of_layers_sharing_an_input_read_its_norms_once(monkeypa
     assert all(torch.equal(x, y) for x, y in zip(alone, shared, strict=True))
     # each output gradient's norms, the shared input's once (until it changes)
     assert [id(x) for x in calls] == [id(x) for x in (g1, a, g2, g1, a)]
+
+
+def test_a_split_is_made_once_for_the_same_rows_and_factors_within_split_cache():
+    from dptrain.clipping.tensor_cores import has_split, split_cache
+
+    x = torch.randn(2, 5, 8).bfloat16()
+    c = torch.rand(2)
+    held: dict = {}
+    assert scaled_split(x, c) is not scaled_split(x, c)  # no cache outside a block
+    with split_cache(held):
+        first = scaled_split(x, c)
+        assert has_split(x, c) and scaled_split(x, c) is first
+        assert not has_split(x, torch.rand(2))  # other factors
+        x.mul_(2)  # an in-place change: a new version, a new split
+        assert not has_split(x, c)
+        again = scaled_split(x, c)
+        assert again is not first
+        assert torch.equal(
+            again[0].double(), x.double() * round_down_bf16(c).double()[:, None, None]
+        )
+    assert not has_split(x, c)  # outside the block: not consulted
+    held.clear()
+
+
+def test_layers_reading_one_input_share_its_split_and_get_their_exact_sums():
+    # q, k and v read one input; k and v (narrower outputs) scale it too once q has split
+    # it, and each sum is still the rounded-down factors times the exact sum.
+    from dptrain.clipping.tensor_cores import split_cache
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-7, 8, (4, 16, 8), generator=gen).bfloat16()
+    c = torch.tensor([0.3, 0.71, 0.9999, 1.0])
+    mods = [torch.nn.Linear(8, d, bias=False) for d in (8, 4, 4)]
+    gs = [torch.randint(-7, 8, (4, 16, m.out_features), generator=gen).bfloat16() for m in mods]
+    calls = []
+    import dptrain.clipping.tensor_cores as tc
+
+    real = tc._scaled_rows
+    held: dict = {}
+    try:
+        tc._scaled_rows = lambda x, f: (calls.append(x.shape[-1]), real(x, f))[1]
+        with split_cache(held):
+            got = [
+                LinearRule().clipped_sum(m, a, g, c)["weight"]
+                for m, g in zip(mods, gs, strict=True)
+            ]
+    finally:
+        tc._scaled_rows = real
+        held.clear()
+    assert calls == [8]  # one split, of the shared input
+    for w, g in zip(got, gs, strict=True):
+        want, _ = _exact(a, g, round_down_bf16(c))
+        assert torch.equal(w.double(), want)

@@ -34,7 +34,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dptrain.clipping.precision import LOW_PRECISION, upcast
-from dptrain.clipping.tensor_cores import bmm_f32, mm_f32, rounding_bound, scaled_cross
+from dptrain.clipping.tensor_cores import (
+    bmm_f32,
+    has_split,
+    mm_f32,
+    rounding_bound,
+    scaled_cross,
+)
 
 __all__ = [
     "RULES",
@@ -289,9 +295,16 @@ class LinearRule(LayerRule):
         a, g = _flatten_tokens(a), _flatten_tokens(g)
         out = {}
         if _trainable(module.weight):
-            # sum_i c_i g_i^T a_i = g^T (c * a) = (c * g)^T a: scale the narrower operand
-            # (for an LM head a is (B, T, d) and g (B, T, vocab)).
-            scale_a = a.shape[-1] <= g.shape[-1]
+            # sum_i c_i g_i^T a_i = g^T (c * a) = (c * g)^T a: scale the operand already
+            # scaled for another layer (q, k and v read one input: split once within
+            # tensor_cores.split_cache), else the narrower one (for an LM head a is
+            # (B, T, d) and g (B, T, vocab)).
+            if has_split(a, factors):
+                scale_a = True
+            elif has_split(g, factors):
+                scale_a = False
+            else:
+                scale_a = a.shape[-1] <= g.shape[-1]
             if a.dtype in LOW_PRECISION and a.dtype == g.dtype:
                 w = scaled_cross(g, a, factors, scale_x=not scale_a)  # (p, d), tensor_cores.py
             elif scale_a:

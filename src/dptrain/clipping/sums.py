@@ -35,7 +35,7 @@ from dptrain.clipping.rules import (
     weighted_sum,
 )
 from dptrain.clipping.streaming import PerExampleGrads
-from dptrain.clipping.tensor_cores import one_gemm_sums, row_norm_cache
+from dptrain.clipping.tensor_cores import one_gemm_sums, row_norm_cache, split_cache
 
 __all__ = ["NormsAndSums", "is_tied"]
 
@@ -234,11 +234,13 @@ class NormsAndSums:
         # rule.clipped_sum gives all of a module's parameters at once; kept per factor
         # tensor, since per-layer clipping may give a module's parameters different ones
         sums: dict[tuple[Use, int], dict[str, Tensor]] = {}
+        splits: dict = {}  # the last scaled record split (tensor_cores.split_cache)
         for name, uses in self.groups.items():
             present = [(u, attr) for u, attr in uses if self.recorded(u, records)]
             if not present:
                 continue
-            grad = self._weighted_sum_of(name, present, records, factor_of(name), sums)
+            with split_cache(splits):
+                grad = self._weighted_sum_of(name, present, records, factor_of(name), sums)
             yield name, grad
             del grad
             for u, _ in present:
@@ -249,6 +251,7 @@ class NormsAndSums:
                     u.calls.clear()
                     for key in [k for k in sums if isinstance(k, tuple) and k[0] is u]:
                         del sums[key]
+        splits.clear()
 
     def accumulation_bound(self, name: str, records: Records, weights: Tensor) -> Tensor | None:
         """How far autograd's gradient of parameter ``name`` for these example weights may

@@ -61,6 +61,7 @@ __all__ = [
     "ROUNDING_UNIT",
     "bmm_f32",
     "flops_emulated",
+    "has_split",
     "mm_f32",
     "one_gemm_sums",
     "ops_emulated",
@@ -70,6 +71,7 @@ __all__ = [
     "scaled_cross",
     "scaled_split",
     "split_bf16",
+    "split_cache",
     "tensor_cores",
 ]
 
@@ -181,17 +183,64 @@ def _scaled_rows(x: Tensor, factors: Tensor) -> Tensor:
     return torch.mul(x, _rounded_rows(factors, x))
 
 
+# The split cache's slot while a split_cache block runs (None outside one).
+_SPLITS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("splits", default=None)
+
+
+@contextlib.contextmanager
+def split_cache(held: dict) -> Iterator[None]:
+    """Within this block, :func:`scaled_split` keeps its last result in ``held`` (the
+    caller's dict, which outlives the block and is cleared by the caller) and returns it
+    again for the same rows and factors: q, k and v scale one recorded input, gate and up
+    another, and each split is four kernel launches. The entry holds the rows and the
+    factors themselves, so that their memory cannot be reused while it lives; the key
+    includes their versions, so an in-place change misses."""
+    token = _SPLITS.set(held)
+    try:
+        yield
+    finally:
+        _SPLITS.reset(token)
+
+
+def _split_key(x: Tensor, factors: Tensor) -> tuple:
+    return (
+        x.data_ptr(),
+        tuple(x.shape),
+        x.stride(),
+        x.dtype,
+        x.device,
+        x._version,
+        id(factors),
+        factors._version,
+    )
+
+
+def has_split(x: Tensor, factors: Tensor) -> bool:
+    """Whether :func:`scaled_split` of these rows and factors is held (:func:`split_cache`)."""
+    held = _SPLITS.get()
+    return held is not None and held.get("key") == _split_key(x, factors)
+
+
 def scaled_split(x: Tensor, factors: Tensor) -> tuple[Tensor, ...]:
     """Rows of a bf16/fp16 ``x`` (B, ...) scaled by ``factors`` rounded down to 8 bits
     (:func:`round_down_bf16`), as parts whose sum is the scaled rows exactly.
 
     On CUDA with bf16 ``x``: (hi, lo), both bf16 (see the module docstring). Elsewhere:
-    one float32 tensor (the same sum, exact in float32), for a float32 GEMM.
+    one float32 tensor (the same sum, exact in float32), for a float32 GEMM. Within
+    :func:`split_cache`, the same rows and factors are split once.
     """
+    held = _SPLITS.get()
+    if held is not None and held.get("key") == _split_key(x, factors):
+        return held["parts"]
     scaled = _scaled_rows(x, factors)
     if not (x.is_cuda and x.dtype == torch.bfloat16 and _OUT_DTYPE["ok"]):
-        return (scaled,)  # one float32 GEMM: two would be float32 too
-    return split_bf16(scaled)
+        parts: tuple[Tensor, ...] = (scaled,)  # one float32 GEMM: two would be float32 too
+    else:
+        parts = split_bf16(scaled)
+    if held is not None:
+        held.clear()
+        held.update(key=_split_key(x, factors), rows=x, factors=factors, parts=parts)
+    return parts
 
 
 def split_bf16(scaled: Tensor) -> tuple[Tensor, Tensor]:
@@ -278,6 +327,7 @@ def scaled_cross(x: Tensor, y: Tensor, factors: Tensor, scale_x: bool) -> Tensor
         rounded = _scaled_rows(x if scale_x else y, factors).to(torch.bfloat16)
         left, right = (rounded, y) if scale_x else (x, rounded)
         return mm_f32(left.flatten(0, 1).T, right.flatten(0, 1))
+    hit = has_split(x if scale_x else y, factors)  # split already (split_cache)
     parts = scaled_split(x if scale_x else y, factors)
     total = None
     for part in parts:
@@ -288,5 +338,6 @@ def scaled_cross(x: Tensor, y: Tensor, factors: Tensor, scale_x: bool) -> Tensor
         flops = 2 * x.shape[0] * x.shape[1] * x.shape[2] * y.shape[2]
         _EMULATED["flops"] += 2 * flops  # two bf16 GEMMs on CUDA (hi, lo) ...
         _EMULATED["extra"] += flops  # ... for this one float32 GEMM
-        _EMULATED["ops"] += 5  # the split (a cast, a subtraction, a cast), a GEMM, an add
+        # the split (a cast, a subtraction, a cast; none where it was held), a GEMM, an add
+        _EMULATED["ops"] += 2 if hit else 5
     return total

@@ -255,6 +255,8 @@ class DPOptimizer(torch.optim.Optimizer):
             noise_norms = add_noise_(sums, std, self._generator_for)
         divide_and_publish(params, sums, k * self.expected_batch_size)
         self._sums.clear()
+        if self.engine is not None:
+            self.engine.release_sums()  # noised and published: not needed any more
         return StepMetrics(
             step=self.steps_taken,
             sample_rate=self.sample_rate,

@@ -67,3 +67,12 @@ def test_a_grad_written_by_other_code_drops_the_float32_sum():
     p.grad = torch.full((3, 4), 7.0, dtype=torch.bfloat16)
     assert not store.wrote(p)
     assert store.clipped_sum(p) is p.grad
+
+
+def test_release_forgets_the_float32_sums():
+    p, store = _bf16(), GradStore()
+    store.add(p, torch.full((3, 4), 1.0 + 2**-12))
+    store.flush()
+    store.mark([p])
+    store.release()
+    assert store.clipped_sum(p) is p.grad  # the rounded copy: the float32 sum is gone

@@ -1,6 +1,9 @@
 """bf16 autocast on CPU: norms and clipped sums are computed in float32 and stay close
 to the float32 oracle (bf16 keeps ~3 significant digits, so the bound is loose)."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -155,13 +158,21 @@ def test_dp_optimizer_noises_the_float32_sum_then_casts():
     ids = torch.randint(0, 30, (4, 9), generator=torch.Generator().manual_seed(2))
     engine.backward(per_example_cross_entropy(model(ids[:, :-1]).float(), ids[:, 1:]))
     sums = [engine.clipped_sum(p).clone() for p in engine.parameters()]
+    held = [weakref.ref(engine.clipped_sum(p)) for p in engine.parameters()]
     metrics = opt.step()
-    gen = torch.Generator().manual_seed(3)
-    for p, s in zip(engine.parameters(), sums, strict=True):
-        noise = torch.empty_like(s).normal_(0.0, 0.5 * 0.01, generator=gen)  # float32 draws
-        assert torch.equal(p.grad, ((s + noise) / 4.0).to(torch.bfloat16))
+    # float32 draws, one block for this small model (dptrain.noise's layout)
+    sizes = [s.numel() for s in sums]
+    flat = torch.empty(sum(sizes)).normal_(
+        0.0, 0.5 * 0.01, generator=torch.Generator().manual_seed(3)
+    )
+    for p, s, noise in zip(engine.parameters(), sums, flat.split(sizes), strict=True):
+        assert torch.equal(p.grad, ((s + noise.view(s.shape)) / 4.0).to(torch.bfloat16))
     want = torch.cat([s.flatten() for s in sums]).norm()
     assert metrics.clipped_sum_norm == pytest.approx(float(want), rel=1e-6)
+    # once noised and cast into p.grad, the float32 sums are let go (not held through
+    # the next step's forward and backward)
+    gc.collect()
+    assert all(r() is None for r in held)
     engine.detach()
 
 

@@ -1005,6 +1005,12 @@ class ClippingEngine:
         """
         return self._store.clipped_sum(p)
 
+    def release_sums(self) -> None:
+        """Drop the float32 sums kept beside low-precision ``p.grad`` (and a sharded
+        model's reduced shards): the optimizer calls it once it has noised them and
+        written the result into ``p.grad``. :meth:`clipped_sum` returns ``p.grad`` after."""
+        self._store.release()
+
     def parameter(self, name: str) -> nn.Parameter:
         """The clipped parameter called ``name`` (see :attr:`parameter_names`): under
         FSDP2 the shard the optimizer holds (:meth:`graph_parameter`: autograd's)."""

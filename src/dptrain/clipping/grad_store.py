@@ -120,6 +120,13 @@ class GradStore:
             p.grad = r
             self._float32_sums[id(p)] = (total, r)
 
+    def release(self) -> None:
+        """Forget the float32 sums (the optimizer has noised them and cast the result into
+        ``p.grad``): held until the next step's sums otherwise, they and their rounded
+        copies would stay alive through its forward and backward (4 + 2 bytes per bf16
+        parameter)."""
+        self._float32_sums.clear()
+
     def mark(self, params: list[nn.Parameter]) -> None:
         """Remember each ``p.grad`` as the store leaves it."""
         for p in params:

@@ -156,6 +156,8 @@ class DistributedDPOptimizer(DPOptimizer):
             signal_sq = self._signal_sq(params, sums, start_states, std)
         divide_and_publish(params, sums, k * self.expected_batch_size)
         self._sums.clear()
+        if self.engine is not None:
+            self.engine.release_sums()
         self.original_optimizer.step()
         self.ledger.record(self.sample_rate, self.noise_multiplier)
         metrics = StepMetrics(

@@ -183,6 +183,8 @@ class ShardedDPOptimizer(DPOptimizer):
             if s is not p.grad:  # cast to p's dtype after the noise (post-processing)
                 p.grad = s.to(p.dtype)
         self._sums.clear()
+        if self.engine is not None:
+            self.engine.release_sums()
         totals = torch.stack([signal_sq, noise_sq]).to(self._collective_device())
         if dist.is_initialized():
             dist.all_reduce(totals, group=self.group)

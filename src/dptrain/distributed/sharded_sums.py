@@ -154,6 +154,11 @@ class ShardedGradStore(GradStore):
         p.grad = rounded
         self._shards[id(p)] = (total, rounded)
 
+    def release(self) -> None:
+        """Forget the reduced shards (the optimizer has noised them: GradStore.release)."""
+        super().release()
+        self._shards.clear()
+
     def clipped_sum(self, p: nn.Parameter) -> Tensor | None:
         """The reduced shard accumulated for ``p`` (in at least float32) while ``p.grad``
         is the copy this store wrote; else ``p.grad`` (None where it is None)."""

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tensor_peak import LiveTensors
+from tensor_peak import LiveTensors, largest_differences
 
 
 def _child(name: str, method: str, b: int, t: int) -> None:
@@ -58,9 +58,7 @@ def main() -> None:
             f"step {label}: non-private {base['peak'] / 2**20:.0f} MB, dptrain-bk "
             f"{mine['peak'] / 2**20:.0f} MB ({mine['peak'] / base['peak']:.2f}x)"
         )
-        labels = {*base["at_peak"], *mine["at_peak"]}
-        diff = {k: mine["at_peak"].get(k, 0) - base["at_peak"].get(k, 0) for k in labels}
-        for op, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:8]:
+        for op, d in largest_differences(base["at_peak"], mine["at_peak"], 8):
             print(f"   {d / 2**20:+8.1f} MB  {op}")
 
 

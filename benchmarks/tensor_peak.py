@@ -67,6 +67,12 @@ class LiveTensors(TorchDispatchMode):
         self.live -= n
 
 
+def largest_differences(base: dict, mine: dict, n: int) -> list[tuple[str, int]]:
+    """The ``n`` labels whose alive bytes at the peak differ most (mine - base), by size."""
+    diff = {k: mine.get(k, 0) - base.get(k, 0) for k in {*base, *mine}}
+    return sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:n]
+
+
 def _child(method: str, lora: bool) -> None:
     import json
 
@@ -106,9 +112,7 @@ def main() -> None:
             f"({mine['peak'] / base['peak']:.2f}x); alive at the peak, by the operator "
             "that made them, the largest differences:"
         )
-        labels = {*base["at_peak"], *mine["at_peak"]}
-        diff = {k: mine["at_peak"].get(k, 0) - base["at_peak"].get(k, 0) for k in labels}
-        for label, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:6]:
+        for label, d in largest_differences(base["at_peak"], mine["at_peak"], 6):
             print(f"  {d / 2**20:+7.1f} MB  {label}")
 
 

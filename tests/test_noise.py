@@ -76,3 +76,12 @@ def test_sums_are_divided_and_low_precision_parameters_get_the_cast_after():
     before = (torch.full((3, 2), 1.0117).to(torch.bfloat16).float() / 3.0).to(torch.bfloat16)
     assert not torch.equal(after, before)  # the data tell the two orders apart
     assert torch.equal(w16.grad, after)
+
+
+def test_the_total_norm_is_the_norm_of_all_the_tensors_together():
+    from dptrain.noise import total_norm
+
+    parts = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    want = float(torch.cat([p.flatten() for p in parts]).double().norm())
+    assert total_norm([p.norm() for p in parts]) == pytest.approx(want, rel=1e-7)
+    assert total_norm([]) == 0.0

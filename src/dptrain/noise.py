@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BLOCK_NUMEL", "add_noise_", "divide_and_publish", "noise_blocks"]
+__all__ = ["BLOCK_NUMEL", "add_noise_", "divide_and_publish", "noise_blocks", "total_norm"]
 
 #: Elements per noise block (8M: 32 MB of float32 noise alive beside the sums at a time,
 #: or the largest parameter's size where that is larger).
@@ -98,3 +98,12 @@ def divide_and_publish(params: list[nn.Parameter], sums: list[Tensor], divisor: 
     torch._foreach_copy_(grads, [s for _, s in cast])
     for (p, _), g in zip(cast, grads, strict=True):
         p.grad = g
+
+
+def total_norm(norms: list[Tensor]) -> float:
+    """sqrt(sum of squares) of per-tensor norms (as :func:`add_noise_` returns them), in
+    float64, read once (one host sync)."""
+    if not norms:
+        return 0.0
+    device = norms[0].device
+    return float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]).double()))

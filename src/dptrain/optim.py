@@ -33,7 +33,7 @@ from dptrain.accounting import PrivacyLedger
 from dptrain.clipping.engine import ClippingEngine, ClipStats
 from dptrain.clipping.precision import LOW_PRECISION, upcast
 from dptrain.generators import canonical_device, restore_generator
-from dptrain.noise import add_noise_, divide_and_publish
+from dptrain.noise import add_noise_, divide_and_publish, total_norm
 from dptrain.secure_random import secure_normal
 
 __all__ = ["DPOptimizer", "PrivacyBudgetExhaustedError", "StepMetrics", "noisy_clipped_gradient"]
@@ -68,19 +68,11 @@ def _norms(tensors: list[Tensor]) -> list[Tensor]:
     return list(torch._foreach_norm([upcast(t) for t in tensors])) if tensors else []
 
 
-def _total_norm(norms: list[Tensor]) -> float:
-    """sqrt(sum of squares) of per-tensor norms, in float64, read once (one host sync)."""
-    if not norms:
-        return 0.0
-    device = norms[0].device
-    return float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]).double()))
-
-
 def _sum_to_noise(engine: ClippingEngine | None, p: torch.nn.Parameter) -> Tensor:
     """The clipped sum of ``p`` to noise, in at least float32: ``p.grad`` itself for a
     float32/float64 parameter (made zero if None), a float32 tensor for a float16/bfloat16
-    one (the engine's float32 sum; :func:`dptrain.noise.divide_and_publish` casts after). Noising a bf16 sum in bf16 would
-    let rounding move it by more than C."""
+    one (the engine's float32 sum; :func:`dptrain.noise.divide_and_publish` casts after).
+    Noising a bf16 sum in bf16 would let rounding move it by more than C."""
     s = engine.clipped_sum(p) if engine is not None else p.grad
     if s is None:
         if p.dtype in LOW_PRECISION:
@@ -261,8 +253,8 @@ class DPOptimizer(torch.optim.Optimizer):
             step=self.steps_taken,
             sample_rate=self.sample_rate,
             noise_multiplier=self.noise_multiplier,
-            clipped_sum_norm=_total_norm(signal) / k,
-            noise_norm=_total_norm(noise_norms) / k,
+            clipped_sum_norm=total_norm(signal) / k,
+            noise_norm=total_norm(noise_norms) / k,
         )
 
     def step(self, closure=None, loss_scale: float = 1.0) -> StepMetrics:  # type: ignore[override]
@@ -361,4 +353,5 @@ def noisy_clipped_gradient(
     sums = [_sum_to_noise(engine, p) for p in params]
     add_noise_(sums, std, generator_for)
     divide_and_publish(params, sums, divisor)
+    engine.release_sums()  # noised and published, as DPOptimizer does
     return stats

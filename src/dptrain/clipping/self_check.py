@@ -330,9 +330,8 @@ def _gaps(
     if allowed is None:
         gap = (mine - auto).abs()
     else:  # in float32, so that subtracting the allowance does not round
-        gap = ((mine.float() - auto.float()).abs() - allowed.to(ref.device).view_as(ref)).clamp_min(
-            0
-        )
+        gap = (mine.float() - auto.float()).abs()
+        gap = (gap - allowed.to(ref.device).view_as(ref)).clamp_min(0)
     return float(gap.max()), float(auto.abs().max()), float(mine.abs().max())
 
 

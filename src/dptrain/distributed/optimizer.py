@@ -14,7 +14,7 @@ from dptrain.accounting import PrivacyLedger
 from dptrain.distributed.collectives import _flat_collective
 from dptrain.distributed.context import _rank_and_world
 from dptrain.generators import canonical_device, restore_generator
-from dptrain.noise import add_noise_, divide_and_publish, noise_blocks
+from dptrain.noise import add_noise_, divide_and_publish, noise_blocks, total_norm
 from dptrain.optim import DPOptimizer, PrivacyBudgetExhaustedError, StepMetrics
 
 __all__ = ["DistributedDPOptimizer"]
@@ -129,12 +129,7 @@ class DistributedDPOptimizer(DPOptimizer):
         if self.rank == 0 and not stop:
             for p in params:
                 start_states.setdefault(p.device, self._generator_for(p.device).get_state())
-            noise_norms = add_noise_(sums, std, self._generator_for)
-            noise_sq = (
-                float(torch.stack([n.to(device) for n in noise_norms]).double().square().sum())
-                if noise_norms
-                else 0.0
-            )
+            noise_sq = total_norm(add_noise_(sums, std, self._generator_for)) ** 2
         # Rank 0's decision rides in the first gradient bucket (same device and dtype).
         dtype = sums[0].dtype if sums else torch.float32
         flag = torch.tensor([1.0 if stop else 0.0], dtype=dtype, device=device)

@@ -184,12 +184,24 @@ def test_lora_ghost_mode_is_exact_without_float32_inside(family, overrides, monk
     SDPA attention (float64 softmax) it matches the oracle to 1e-10."""
     from transformers.models.llama import modeling_llama
 
+    from dptrain.clipping.rules import RULES, RMSNormRule
+
     def float64_rms_norm(self, h):  # LlamaRMSNorm without its float32 cast
         return (
             self.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         )
 
+    class Float64RMSNormRule(RMSNormRule):
+        # the rule for that forward: RMSNormRule repeats the shipped forward's float32
+        # n(x) (and refuses a replaced forward)
+        def check(self, module):
+            return None
+
+        def normalised(self, module, a):
+            return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", float64_rms_norm)
+    monkeypatch.setitem(RULES, modeling_llama.LlamaRMSNorm, Float64RMSNormRule())
     case = _lora(family, **overrides)
     case.model.get_base_model().set_attn_implementation("sdpa")
     for clipping in ("flat", "automatic"):

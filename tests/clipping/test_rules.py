@@ -151,11 +151,18 @@ def _gram_inner_reference(x, y):
         "odd",  # halves of different lengths: three products
         "strided",  # (B, T, d) that is no (2B, T/2, d) view: three products
         "bf16",  # float32 products of bf16 records (tensor_cores.py)
+        "whole",  # a device that forms whole Grams at any length (CUDA: fewer launches)
     ],
 )
-def test_ghost_norm_gram_blocks_give_the_whole_gram_inner_product(layout):
+def test_ghost_norm_gram_blocks_give_the_whole_gram_inner_product(layout, monkeypatch):
+    from dptrain.clipping import rules
     from dptrain.clipping.rules import gram_cache, gram_inner
 
+    products = []
+    real_bmm = rules.bmm_f32
+    monkeypatch.setattr(rules, "bmm_f32", lambda x, y: products.append(1) or real_bmm(x, y))
+    if layout == "whole":
+        monkeypatch.setattr(rules, "HALF_GRAM_DEVICES", set())
     gen = torch.Generator().manual_seed(0)
     t = {"short": 10, "odd": 71}.get(layout, 64)
     x = torch.randn(3, t, 5, generator=gen)
@@ -168,6 +175,9 @@ def test_ghost_norm_gram_blocks_give_the_whole_gram_inner_product(layout):
     want = _gram_inner_reference(x, y)
     tol = 1e-5 if layout == "bf16" else 1e-6
     torch.testing.assert_close(gram_inner(x, y).double(), want, rtol=tol, atol=0)
+    # products per operand: one whole Gram, two for the joint halves, else three
+    per_operand = {"short": 1, "whole": 1, "odd": 3, "strided": 3}.get(layout, 2)
+    assert len(products) == 2 * per_operand
     with gram_cache():  # the cached blocks of x are the same blocks
         gram_inner(x, y)
         torch.testing.assert_close(gram_inner(x, y).double(), want, rtol=tol, atol=0)
@@ -208,61 +218,137 @@ def test_a_module_fully_shard_made_a_unit_keeps_its_types_rule():
     assert find_rule(module) is None
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
-def test_rmsnorm_neutral_forward_matches_functional_call_runs_no_hooks_and_restores(family):
-    # The rule takes n(x) from the module's own forward with the neutral weight, swapped
-    # into _parameters (functional_call's swap without its Python work): the same tensor
-    # bit for bit, no hook of the module runs, and the weight is back even if forward raises.
+def _registered_rmsnorms():
+    """(class, rule) for every RMSNorm type registered by name whose package imports."""
+    import importlib
+
+    from dptrain.clipping.rules import RULES_BY_NAME, RMSNormRule
+
+    out = []
+    for name, rule in RULES_BY_NAME.items():
+        if not isinstance(rule, RMSNormRule):
+            continue
+        module_name, cls = name.rsplit(".", 1)
+        try:
+            out.append(
+                pytest.param(getattr(importlib.import_module(module_name), cls), rule, id=cls)
+            )
+        except (ImportError, AttributeError):
+            continue
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(("norm_cls", "rule"), _registered_rmsnorms())
+def test_rmsnorm_rule_normalises_as_the_module_does(norm_cls, rule, dtype):
+    # The rule repeats each family's operations for n(x) instead of calling its forward:
+    # bit for bit the module's output under the neutral weight (ones; Gemma's zeros),
+    # once cast to the module's output dtype, in float32, float64 and bf16 models. eps
+    # 0.25 makes reading the wrong attribute show; every registered family is here.
+    pytest.importorskip("transformers")
+    norm = norm_cls(6, eps=0.25).to(dtype)
+    with torch.no_grad():
+        norm.weight.fill_(1.0 - rule.offset)
+    assert rule.check(norm) is None
+    x = (torch.randn(3, 4, 6, dtype=torch.float64) * torch.tensor([1e-3, 1, 30])[:, None, None]).to(
+        dtype
+    )
+    with torch.no_grad():
+        want = norm(x)
+    got = rule.normalised(norm, x)
+    assert got.dtype in (torch.float32, torch.float64)
+    assert torch.equal(got.to(want.dtype), want)
+
+
+def test_rmsnorm_rule_refuses_a_replaced_forward():
+    # the rule repeats the family's shipped forward; a patched one (on the class or the
+    # instance) is refused with the patch's name, and a fully_shard unit (a subclass
+    # without a forward of its own) is not
     transformers = pytest.importorskip("transformers")
     from dptrain.clipping.rules import find_rule
 
-    norm_cls = {
-        "llama": transformers.models.llama.modeling_llama.LlamaRMSNorm,
-        "gemma": transformers.models.gemma.modeling_gemma.GemmaRMSNorm,
-    }[family]
-    norm = norm_cls(6)
-    with torch.no_grad():
-        norm.weight.normal_()
+    llama = transformers.models.llama.modeling_llama
+    norm = llama.LlamaRMSNorm(4)
     rule = find_rule(norm)
-    x = torch.randn(3, 4, 6, dtype=torch.float64).to(torch.bfloat16)
-    neutral = torch.full((6,), 1.0 - rule.offset, dtype=x.dtype)
-    with torch.no_grad():
-        want = torch.func.functional_call(norm, {"weight": neutral}, (x,)).to(x.dtype)
-    calls = []
-    norm.register_forward_hook(lambda *args: calls.append("hook"))
-    weight = norm.weight
-    got = rule._normalised(norm, x)
-    assert torch.equal(got, want) and got.dtype == x.dtype
-    assert calls == [] and norm.weight is weight
+    assert rule.check(norm) is None
+    unit = type("FSDPLlamaRMSNorm", (llama.LlamaRMSNorm,), {})(4)
+    assert rule.check(unit) is None
 
-    def broken(_x):
-        raise RuntimeError("forward failed")
+    def fused(self, x):
+        return x
 
-    norm.forward = broken
-    with pytest.raises(RuntimeError, match="forward failed"):
-        rule._normalised(norm, x)
-    assert norm.weight is weight
+    norm.forward = fused.__get__(norm)
+    assert "replaced by" in rule.check(norm) and "fused" in rule.check(norm)
+    del norm.forward
+    try:
+        llama.LlamaRMSNorm.forward, shipped = fused, llama.LlamaRMSNorm.forward
+        assert "fused" in rule.check(norm)
+    finally:
+        llama.LlamaRMSNorm.forward = shipped
+    assert rule.check(norm) is None
 
 
-def test_rmsnorm_with_a_parametrized_weight_takes_the_general_path():
-    # a weight computed on access is not in _parameters: functional_call handles it
-    transformers = pytest.importorskip("transformers")
-    from torch.nn.utils import parametrize
-
+def test_rmsnorm_rule_refuses_a_module_without_its_eps_attribute():
     from dptrain.clipping.rules import RMSNormRule
 
-    norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(5)
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+            self.epsilon = 1e-6
 
-    class Doubled(nn.Module):
-        def forward(self, w):
-            return 2 * w
+        def forward(self, x):
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.epsilon)
 
-        def right_inverse(self, w):  # functional_call sets the weight through it
-            return w / 2
+    reason = RMSNormRule().check(Norm())
+    assert "'variance_epsilon'" in reason and "None" in reason
+    assert RMSNormRule(eps_attr="epsilon").check(Norm()) is None
+    with pytest.raises(ValueError, match="eps_attr='not an attribute'"):
+        RMSNormRule(eps_attr="not an attribute")
 
-    parametrize.register_parametrization(norm, "weight", Doubled())
-    assert "weight" not in norm._parameters
-    x = torch.randn(2, 3, 5)
-    got = RMSNormRule()._normalised(norm, x)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    torch.testing.assert_close(got, x * torch.rsqrt(variance + norm.variance_epsilon))
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rules_form_per_example_gradients_in_the_slot_they_are_given(transposed, dtype):
+    # per_example_into writes a streamed module's gradients into its slot of the shared
+    # buffer (examples a row apart: any stride between them), saving a copy per slot;
+    # the values are per_example's. A slot of another dtype or shape is not written.
+    from dptrain.clipping.rules import Conv1DRule, LinearRule, RMSNormRule
+
+    gen = torch.Generator().manual_seed(0)
+    b, t, d_in, d_out = 3, 5, 4, 6
+    lin = nn.Linear(d_in, d_out)
+    rule = Conv1DRule() if transposed else LinearRule()
+    if transposed:
+        lin.weight = nn.Parameter(lin.weight.detach().T.contiguous())
+    a = torch.randn(b, t, d_in, generator=gen).to(dtype)
+    g = torch.randn(b, t, d_out, generator=gen).to(dtype)
+    shape = tuple(lin.weight.shape)
+    buffer = torch.zeros(b, 100)
+    out = {
+        "weight": buffer[:, 10 : 10 + d_in * d_out].view(b, *shape),
+        "bias": buffer[:, 50 : 50 + d_out],
+    }
+    got = rule.per_example_into(lin, a, g, out)
+    want = rule.per_example(lin, a, g)
+    for name in ("weight", "bias"):
+        assert got[name] is out[name]
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
+    assert buffer[:, :10].count_nonzero() == 0 and buffer[:, 80:].count_nonzero() == 0
+    # not written where it does not fit
+    wrong = {
+        "weight": torch.zeros(b, *shape, dtype=torch.float64),
+        "bias": torch.zeros(b, d_out + 1),
+    }
+    got = rule.per_example_into(lin, a, g, wrong)
+    assert got["weight"] is not wrong["weight"] and got["bias"] is not wrong["bias"]
+    assert wrong["weight"].count_nonzero() == 0 and wrong["bias"].count_nonzero() == 0
+
+    transformers = pytest.importorskip("transformers")
+    norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(d_out).to(dtype)
+    slot = {"weight": buffer[:, 90:96]}
+    got = RMSNormRule().per_example_into(norm, g, a[..., :1].expand(b, t, d_out), slot)
+    assert got["weight"] is slot["weight"]
+    torch.testing.assert_close(
+        got["weight"], RMSNormRule().per_example(norm, g, a[..., :1].expand(b, t, d_out))["weight"]
+    )

@@ -111,9 +111,10 @@ def example_rows(use: Use, a: Tensor, g: Tensor, b: int) -> tuple[Tensor, Tensor
 def for_rule(rule: LayerRule, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """A record as ``rule`` reads it: as recorded for a rule that forms its products with
     float32 accumulation from low-precision operands itself (``low_precision_records``,
-    :mod:`dptrain.clipping.tensor_cores`), else upcast to float32 (a copy for the time
+    :mod:`dptrain.clipping.tensor_cores`) or upcasts them itself (``upcasts_itself``),
+    else upcast to float32 (a copy for the time
     the rule runs: the record itself stays in its own, smaller, dtype)."""
-    if getattr(rule, "low_precision_records", False):
+    if getattr(rule, "low_precision_records", False) or getattr(rule, "upcasts_itself", False):
         return a, g
     return upcast(a), upcast(g)
 

@@ -38,6 +38,7 @@ from dptrain.clipping.tensor_cores import (
     bmm_f32,
     has_split,
     mm_f32,
+    product_dtype,
     rounding_bound,
     scaled_cross,
 )
@@ -69,6 +70,9 @@ class LayerRule(abc.ABC):
     #: True where the module itself computes its parameter's gradient in float32 even in a
     #: float64 model (Gemma's RMSNorm): the engine's self-check compares at float32 accuracy.
     float32_inside: bool = False
+    #: True where the rule upcasts the records it reads itself: they reach it in the
+    #: dtypes the module computed in, not as float32 copies (``records.for_rule``).
+    upcasts_itself: bool = False
     #: How norms are computed: "ghost" (always), "instantiate" (always: small
     #: per-example gradients), or "either" (the engine picks per call by cost).
     norm_choice: str = "instantiate"
@@ -101,6 +105,16 @@ class LayerRule(abc.ABC):
     @abc.abstractmethod
     def per_example(self, module: nn.Module, a: Tensor, g: Tensor) -> dict[str, Tensor]:
         """Per-example gradients {name: (B, *param.shape)}."""
+
+    def per_example_into(
+        self, module: nn.Module, a: Tensor, g: Tensor, out: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """:meth:`per_example`, each gradient written into ``out[name]`` ((B, *shape), at
+        any stride between examples: a slot of the streamed modules' buffer) where the
+        rule can form it there; the caller copies the others. It saves a copy per
+        streamed parameter and step (a kernel launch each on CUDA, where a step of small
+        kernels waits for their launches). Default: none written there."""
+        return self.per_example(module, a, g)
 
     def norms_sq(self, module: nn.Module, a: Tensor, g: Tensor, ghost: bool) -> dict[str, Tensor]:
         """{name: (B,) squared per-example gradient norms}. Default: instantiate."""
@@ -152,8 +166,17 @@ def _flatten_tokens(t: Tensor) -> Tensor:
 
 
 # From this many tokens on, the symmetric Gram matrices are formed in 2 x 2 blocks,
-# of which only 3 are needed: 3/4 of the multiply-adds.
+# of which only 3 are needed: 3/4 of the multiply-adds, for 5 more kernel launches per
+# layer (a second product per operand, a second product-and-sum and the add).
 _HALF_GRAM_MIN_TOKENS = 64
+
+#: Device types on which the Gram matrices are formed in halves (above). Not on CUDA:
+#: there a private step of a 135M Llama at B 16, T 512 was bound by its kernel launches,
+#: not by its arithmetic (docs/engine_benchmark.md, "The GPU session"), and the quarter
+#: of the Gram products the halves save is about 2% of that step's FLOPs where they add
+#: about 450 of its ~5,000 launches. ``benchmarks/launch_count.py`` empties it to count
+#: launches as CUDA runs them.
+HALF_GRAM_DEVICES: set[str] = {"cpu"}
 
 
 def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
@@ -190,13 +213,13 @@ def _halves_view(x: Tensor) -> bool:
 
 def _gram_blocks(x: Tensor, joint: bool) -> list[tuple[int, Tensor]]:
     """[(weight, Gram blocks of each example, (B k, m, n), example-major)]: x x^T whole
-    below _HALF_GRAM_MIN_TOKENS tokens, else the blocks 11 and 22 (weight 1) and 12
+    below _HALF_GRAM_MIN_TOKENS tokens and off HALF_GRAM_DEVICES, else the blocks 11 and 22 (weight 1) and 12
     (weight 2) of its 2 x 2 split along tokens, 11 and 22 from one product where
     ``joint`` (:func:`_halves_view`; then k = 2, the pair as that product gives it: a
     view per pair of Grams in :func:`_gram_inner`, not one per Gram); float32 (or
     float64) for a low-precision x (tensor_cores.py)."""
     b, t = x.shape[:2]
-    if t < _HALF_GRAM_MIN_TOKENS:
+    if t < _HALF_GRAM_MIN_TOKENS or x.device.type not in HALF_GRAM_DEVICES:
         return [(1, bmm_f32(x, x.transpose(1, 2)))]
     h = t // 2
     x1, x2 = x[:, :h], x[:, h:]
@@ -264,14 +287,24 @@ class LinearRule(LayerRule):
         return 2 * t * t < a.shape[-1] * g.shape[-1]
 
     def per_example(self, module, a, g):
+        return self.per_example_into(module, a, g, {})
+
+    def per_example_into(self, module, a, g, out):
         a, g = _flatten_tokens(a), _flatten_tokens(g)
-        out = {}
+        got = {}
+        dtype = product_dtype(a, g)
         if _trainable(module.weight):
-            w = bmm_f32(g.transpose(1, 2), a)  # (B, p, d); bmm: ~4x einsum's speed on CPU
-            out["weight"] = w.transpose(1, 2) if self.transposed else w
+            # (B, p, d), or (B, d, p) stored transposed; bmm: ~4x einsum's speed on CPU
+            x, y = (a.transpose(1, 2), g) if self.transposed else (g.transpose(1, 2), a)
+            into = _fits(out.get("weight"), (x.shape[0], x.shape[1], y.shape[2]), dtype)
+            got["weight"] = bmm_f32(x, y, out=into)
         if _trainable(getattr(module, "bias", None)):
-            out["bias"] = upcast(g).sum(1)
-        return out
+            into = _fits(out.get("bias"), (g.shape[0], g.shape[2]), dtype)
+            if into is not None:
+                got["bias"] = torch.sum(g, 1, dtype=dtype, out=into)
+            else:
+                got["bias"] = upcast(g).sum(1)
+        return got
 
     def norms_sq(self, module, a, g, ghost):
         if not ghost:
@@ -461,23 +494,38 @@ class NormLayerRule(LayerRule):
 class RMSNormRule(LayerRule):
     """RMSNorm variants y = (offset + w) * n(x), n(x) = x / sqrt(mean(x^2) + eps).
 
-    Llama, Qwen, Mistral, Phi-3 and T5 use offset 0; Gemma uses offset 1 (its
-    weight starts at zero). Each family computes n(x) its own way (in float32,
-    cast back before or after the scale), so n(x) is not recomputed here but
-    taken from the module itself, called with the neutral weight (ones for
-    offset 0, zeros for offset 1): y = 1 * n(x) is then n(x) exactly as the
-    module computes it. grad_w,i = sum_t g_t * n(x_t), a d-vector: instantiated.
+    Llama, Qwen, Mistral, Phi-3 and T5 use offset 0; Gemma uses offset 1 (its weight
+    starts at zero). grad_w,i = sum_t g_t * n(x_t), a d-vector: instantiated.
+
+    Every registered family computes n(x) with the same float32 operations, in the same
+    order: x32 = x.float(); x32 * rsqrt(x32.pow(2).mean(-1) + eps), eps in the attribute
+    ``eps_attr`` (``variance_epsilon``; Gemma's ``eps``). T5 alone multiplies x in its
+    own dtype rather than x32 (``scales_input``: a float64 model's n(x) is float64 there).
+    The rule repeats those operations, so its n(x) is the module's own up to the cast
+    back to the input's dtype (Llama's before the scale, Gemma's after), which it leaves
+    out: per-example gradients are float32. (It used to call the module's forward with
+    a neutral weight: the same n(x), and on a bf16 record seven kernel launches more per
+    norm layer and step: two upcasts, the forward's scale and casts, a copy. A module
+    whose n(x) differed would show in the self-check's comparison with autograd.)
     """
 
     param_names = ("weight",)
 
-    def __init__(self, offset: float = 0.0):
+    def __init__(
+        self, offset: float = 0.0, eps_attr: str = "variance_epsilon", scales_input: bool = False
+    ):
         if offset not in (0.0, 1.0):
             raise ValueError(f"offset={offset!r} is not allowed: expected 0 or 1")
+        if not (isinstance(eps_attr, str) and eps_attr.isidentifier()):
+            raise ValueError(f"eps_attr={eps_attr!r} is not allowed: expected an attribute name")
         self.offset = float(offset)
-        self._neutral: dict[tuple, Tensor] = {}
+        self.eps_attr = eps_attr
+        self.scales_input = bool(scales_input)
         # Gemma multiplies by (1 + w) in float32, so autograd's own gradient is float32-accurate.
         self.float32_inside = self.offset == 1.0
+
+    # x.float() is the module's own first step, and g * n(x) promotes a bf16 g
+    upcasts_itself = True
 
     def check(self, module):
         w = getattr(module, "weight", None)
@@ -485,43 +533,52 @@ class RMSNormRule(LayerRule):
             return "RMSNormRule needs a 1-D weight (one gain per feature)"
         if any(True for _ in module.parameters(recurse=False) if _ is not w):
             return "RMSNormRule handles a module whose only parameter is its weight"
+        # The formula is the family's forward as its class defines it: one replaced on
+        # the class or the instance (a patch that fuses or changes it) is another
+        # computation, which this rule does not know.
+        owner = next(c for c in type(module).__mro__ if "forward" in c.__dict__)
+        fwd = module.__dict__.get("forward", owner.__dict__["forward"])
+        if (
+            getattr(fwd, "__qualname__", None) != f"{owner.__qualname__}.forward"
+            or getattr(fwd, "__module__", None) != owner.__module__
+        ):
+            where = f"{getattr(fwd, '__module__', '?')}.{getattr(fwd, '__qualname__', fwd)}"
+            return (
+                f"RMSNormRule repeats the normalisation of {owner.__qualname__}'s own forward, "
+                f"but its forward was replaced by {where}: register a rule for that forward"
+            )
+        eps = getattr(module, self.eps_attr, None)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            return (
+                f"RMSNormRule reads eps from the attribute {self.eps_attr!r}, which is "
+                f"{eps!r} here: expected a number"
+            )
         return None
 
     def prepare(self, module, a):
         d = module.weight.shape[0]
         return a if a.dim() == 3 and a.shape[-1] == d else a.reshape(a.shape[0], -1, d)
 
-    def _normalised(self, module: nn.Module, a: Tensor) -> Tensor:
-        # The neutral weight depends on shape, dtype and device only: made once, not every
-        # step for every norm layer. Never written (the module's forward only reads it). From
-        # the shape: under FSDP2 module.weight may be a shard (DTensor) by now.
-        key = (tuple(module.weight.shape), a.dtype, a.device)
-        neutral = self._neutral.get(key)
-        if neutral is None:
-            neutral = torch.full(key[0], 1.0 - self.offset, dtype=a.dtype, device=a.device)
-            self._neutral[key] = neutral
+    def normalised(self, module: nn.Module, a: Tensor) -> Tensor:
+        """n(a) as the module computes it, before any cast back: float32 (T5: a's dtype
+        if wider)."""
         with torch.no_grad():
-            params = module._parameters
-            if "weight" not in params:  # a weight computed on access (parametrize): general path
-                out = torch.func.functional_call(module, {"weight": neutral}, (a,))
-            else:
-                # functional_call's swap, without its Python work (a tenth of a private
-                # step's host time on a 30-layer Llama at small sizes, where the host is
-                # what a GPU step waits for); forward, not __call__: no hooks run, so no
-                # wrapper (an FSDP2 unit, say) can put its own weight back in between.
-                held = params["weight"]
-                params["weight"] = neutral
-                try:
-                    out = module.forward(a)
-                finally:
-                    params["weight"] = held
-        return out.to(a.dtype)
+            x32 = a.float()
+            r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + getattr(module, self.eps_attr))
+            return (a if self.scales_input else x32) * r
 
     def per_example(self, module, a, g):
+        return self.per_example_into(module, a, g, {})
+
+    def per_example_into(self, module, a, g, out):
         if not _trainable(module.weight):
             return {}
         g = g if g.shape == a.shape else g.reshape(a.shape)
-        return {"weight": (g * self._normalised(module, a)).sum(1)}
+        prod = g * self.normalised(module, a)  # (B, T, d); a bf16 g promotes
+        into = _fits(out.get("weight"), (prod.shape[0], prod.shape[2]), prod.dtype)
+        if into is not None:
+            return {"weight": torch.sum(prod, 1, out=into)}
+        return {"weight": prod.sum(1)}
 
     def clipped_sum(self, module, a, g, factors):
         return weighted_sum(self.per_example(module, a, g), factors)
@@ -537,6 +594,14 @@ def _scale_rows(x: Tensor, factors: Tensor) -> Tensor:
     """x[i] * factors[i] for x (B, ...); as a 2-D product, about twice as fast on CPU
     as broadcasting factors over (B, 1, 1)."""
     return (x.reshape(x.shape[0], -1) * factors.to(x.dtype)[:, None]).view(x.shape)
+
+
+def _fits(into: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype | None) -> Tensor | None:
+    """``into`` where a result of ``shape`` and ``dtype`` can be written there (an ``out=``
+    of another shape would be resized out of the caller's buffer), else None."""
+    if into is None or into.dtype != dtype or tuple(into.shape) != shape:
+        return None
+    return into
 
 
 def _trainable(p: Tensor | None) -> bool:
@@ -596,10 +661,12 @@ RULES_BY_NAME: dict[str, LayerRule] = {
         ]
     },
     **{
-        f"transformers.models.{fam}.modeling_{fam}.{cls}RMSNorm": RMSNormRule(offset=1.0)
+        f"transformers.models.{fam}.modeling_{fam}.{cls}RMSNorm": RMSNormRule(
+            offset=1.0, eps_attr="eps"
+        )
         for fam, cls in [("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
     },
-    "transformers.models.t5.modeling_t5.T5LayerNorm": RMSNormRule(),
+    "transformers.models.t5.modeling_t5.T5LayerNorm": RMSNormRule(scales_input=True),
     "transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter": RouterRule(),
     **{
         f"transformers.models.{path}": LookupEmbeddingRule()

@@ -213,17 +213,20 @@ class Streaming:
                 parts[call] = None
             return
         a, rows = for_rule(use.rule, *example_rows(use, call.a, g, b))
-        grads = use.rule.per_example(use.module, a, rows)
         per_example = self._per_example()
         acc = per_example.get(use)
         if acc is None:
+            # the module's first call of this backward: formed in its slots where the rule can
+            grads = use.rule.per_example_into(use.module, a, rows, slots.destinations(use))
             grads = per_example[use] = slots.hold(use, grads)
             if isinstance(per_example, PerExampleGrads):
                 per_example.slots = slots
         elif parts is None:
+            grads = use.rule.per_example(use.module, a, rows)
             for k, v in grads.items():
                 acc[k].add_(v)
         else:  # out of place: a checked call's own part stays as it was (parts)
+            grads = use.rule.per_example(use.module, a, rows)
             per_example[use] = {k: acc[k] + v for k, v in grads.items()}
         if parts is not None:
             parts[call] = (grads, g.dtype, g.device)
@@ -278,11 +281,33 @@ class Slots:
         # the view of its slot handed out per (use, name): whether a per-example gradient
         # still lives in the buffer (a checked chunk replaces it out of place)
         self.views: dict[tuple[Use, str], Tensor] = {}
+        # the slot views offered to a rule to form its gradients in (destinations)
+        self.offered: dict[tuple[Use, str], Tensor] = {}
+
+    def destinations(self, use: Use) -> dict[str, Tensor]:
+        """{name: ``use``'s slot, shaped (b, *param.shape)} for a rule to form its
+        per-example gradients in (``LayerRule.per_example_into``); empty until the
+        buffer exists (the first streamed module's are copied: its dtype and device
+        are the buffer's)."""
+        if self.buffer is None:
+            return {}
+        out = {}
+        for name in use.rule.param_names:
+            block = self.blocks.get((use, name))
+            if block is not None:
+                out[name] = self.offered[(use, name)] = block.view(
+                    self.b, *_param(use.module, name).shape
+                )
+        return out
 
     def hold(self, use: Use, grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``grads`` copied into ``use``'s slots (a copy of its own where one does not fit)."""
+        """``grads`` copied into ``use``'s slots (a copy of its own where one does not
+        fit); a gradient the rule formed in its slot (:meth:`destinations`) stays."""
         out = {}
         for name, v in grads.items():
+            if v is self.offered.pop((use, name), None):
+                out[name] = self.views[(use, name)] = v
+                continue
             if self.buffer is None:
                 self._allocate(v)
             n = self.slots.get((use, name), -1)

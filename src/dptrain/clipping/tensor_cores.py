@@ -65,6 +65,7 @@ __all__ = [
     "mm_f32",
     "one_gemm_sums",
     "ops_emulated",
+    "product_dtype",
     "round_down_bf16",
     "rounding_bound",
     "row_norm_cache",
@@ -120,15 +121,22 @@ def _count(flops: int, *tensors: Tensor) -> None:
 
 
 # Whether this torch has float32-output low-precision GEMMs (``out_dtype``, torch >=
-# 2.8 on CUDA); learnt at the first call, so an older build falls back to float32.
-_OUT_DTYPE = {"ok": True}
+# 2.8 on CUDA), and their ``out=`` form; learnt at the first call, so an older build
+# falls back to float32 (or to a copy into ``out``).
+_OUT_DTYPE = {"ok": True, "into": True}
 
 
-def _low_precision_gemm(op, x: Tensor, y: Tensor) -> Tensor | None:
+def _low_precision_gemm(op, x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor | None:
     if not (_OUT_DTYPE["ok"] and tensor_cores(x, y)):
         return None
+    if out is not None and _OUT_DTYPE["into"]:
+        try:
+            return op(x, y, out_dtype=torch.float32, out=out)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE["into"] = False  # a build without the out= form: product, then copy
     try:
-        return op(x, y, out_dtype=torch.float32)
+        got = op(x, y, out_dtype=torch.float32)
+        return got if out is None else out.copy_(got)
     except (TypeError, RuntimeError, NotImplementedError):
         _OUT_DTYPE["ok"] = False  # the same products in float32 below
         return None
@@ -143,13 +151,27 @@ def mm_f32(x: Tensor, y: Tensor) -> Tensor:
     return torch.mm(upcast(x), upcast(y))
 
 
-def bmm_f32(x: Tensor, y: Tensor) -> Tensor:
-    """x @ y in float32 for 3-D x, y (batched): tensor cores on CUDA for bf16/fp16."""
-    out = _low_precision_gemm(torch.bmm, x, y)
-    if out is not None:
-        return out
+def bmm_f32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
+    """x @ y in float32 for 3-D x, y (batched): tensor cores on CUDA for bf16/fp16.
+
+    ``out``: where to write it (a (B, m, n) tensor of :func:`product_dtype`'s dtype,
+    rows contiguous, batches at any stride: a slot of a larger buffer), saving the copy
+    into it; None: a new tensor."""
+    got = _low_precision_gemm(torch.bmm, x, y, out)
+    if got is not None:
+        return got
     _count(2 * x.shape[0] * x.shape[1] * x.shape[2] * y.shape[2], x, y)
+    if out is not None:
+        return torch.bmm(upcast(x), upcast(y), out=out)
     return torch.bmm(upcast(x), upcast(y))
+
+
+def product_dtype(x: Tensor, y: Tensor) -> torch.dtype | None:
+    """The dtype of :func:`mm_f32` / :func:`bmm_f32` of x and y: float32 for low-precision
+    operands, else their own; None where their dtypes differ (no ``out`` then)."""
+    if x.dtype != y.dtype:
+        return None
+    return torch.float32 if x.dtype in LOW_PRECISION else x.dtype
 
 
 def round_down_bf16(c: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import dptrain.clipping.tensor_cores as tc
 from dptrain.clipping.rules import LinearRule
 from dptrain.clipping.tensor_cores import (
     bmm_f32,
@@ -43,9 +44,11 @@ def test_scaled_bf16_rows_split_into_two_bf16_parts_exactly(seed):
     scaled = x.double() * round_down_bf16(c).double()[:, None, None]
     (one,) = scaled_split(x, c)  # off CUDA: one float32 tensor
     assert torch.equal(one.double(), scaled)  # 8 x 8 significant bits: exact in float32
-    hi, lo = split_bf16(one)  # as on CUDA
-    assert hi.dtype == lo.dtype == torch.bfloat16
-    assert torch.equal(hi.double() + lo.double(), scaled)
+    hi, minus_lo = split_bf16(x, round_down_bf16(c)[:, None, None])  # as on CUDA
+    assert hi.dtype == minus_lo.dtype == torch.bfloat16
+    assert torch.equal(hi.double() - minus_lo.double(), scaled)
+    assert torch.equal(hi, one.bfloat16())  # hi: the product rounded to nearest
+    assert minus_lo.count_nonzero() > 0  # the second part is needed
 
 
 def _cancelling_record(b=4, t=255, d_in=8, d_out=8, seed=0):
@@ -90,9 +93,8 @@ def test_rounding_the_scaled_rows_to_bf16_would_break_the_bound(seed):
     rounded = (g.float() * c).bfloat16()
     naive = _exact(a, rounded, torch.ones(1))[0].norm()
     assert naive > exact * 1.05
-    (one,) = scaled_split(g, c)
-    hi, lo = split_bf16(one)
-    ours = _exact(a, hi, torch.ones(1))[0] + _exact(a, lo, torch.ones(1))[0]
+    hi, minus_lo = split_bf16(g, round_down_bf16(c)[:, None, None])
+    ours = _exact(a, hi, torch.ones(1))[0] - _exact(a, minus_lo, torch.ones(1))[0]
     assert ours.norm() <= exact  # factor rounded down, products exact
 
 
@@ -143,9 +145,16 @@ def _integer_record(b=4, t=16, d_in=8, d_out=8, seed=0):
 _DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-@pytest.mark.parametrize("device", _DEVICES)
-def test_the_clipped_sum_is_exact_where_float32_accumulation_is(device):
+@pytest.mark.parametrize("device", [*_DEVICES, "cpu-two-parts"])
+def test_the_clipped_sum_is_exact_where_float32_accumulation_is(device, monkeypatch):
     # A verdict that holds for every kernel order: the exact value, bit for bit.
+    # "cpu-two-parts": CUDA's arithmetic (split_bf16's two bf16 parts, two GEMMs, their
+    # difference) run on the CPU.
+    if device == "cpu-two-parts":
+        device = "cpu"
+        monkeypatch.setattr(
+            tc, "scaled_split", lambda x, f: tc.split_bf16(x, tc._rounded_rows(f, x))
+        )
     a, g = _integer_record()
     c = torch.tensor([0.3, 0.71, 0.9999, 1.0])
     module = torch.nn.Linear(8, 8, bias=False).to(device)
@@ -186,7 +195,6 @@ def test_cuda_float32_output_gemms_are_within_float32_accumulation_of_the_exact_
 
 def test_a_torch_without_float32_output_gemms_falls_back_to_float32(monkeypatch):
     # As if on CUDA with a torch whose mm/bmm lack out_dtype (here: the CPU's, which raise).
-    import dptrain.clipping.tensor_cores as tc
 
     monkeypatch.setattr(tc, "tensor_cores", lambda *tensors: True)
     monkeypatch.setitem(tc._OUT_DTYPE, "ok", True)
@@ -264,7 +272,6 @@ def test_one_gemm_sums_count_one_tensor_core_gemm():
 
 
 def test_rounding_bounds_of_layers_sharing_an_input_read_its_norms_once(monkeypatch):
-    import dptrain.clipping.tensor_cores as tc
 
     gen = torch.Generator().manual_seed(4)
     a = torch.randn(2, 5, 6, generator=gen).bfloat16()
@@ -320,7 +327,6 @@ def test_layers_reading_one_input_share_its_split_and_get_their_exact_sums():
     mods = [torch.nn.Linear(8, d, bias=False) for d in (8, 4, 4)]
     gs = [torch.randint(-7, 8, (4, 16, m.out_features), generator=gen).bfloat16() for m in mods]
     calls = []
-    import dptrain.clipping.tensor_cores as tc
 
     real = tc._scaled_rows
     held: dict = {}

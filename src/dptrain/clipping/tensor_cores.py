@@ -23,7 +23,8 @@ one record could move the sum by more than C. Instead (:func:`scaled_split`):
    exact in float32, and exactly hi + lo with hi = bf16(c_i g_t) and lo =
    c_i g_t - hi, each representable in bf16 (|lo| is at most half a unit of hi's
    last place and a whole multiple of the product's last place: at most 8 bits);
-3. a^T (c g) = a^T hi + a^T lo: two bf16 GEMMs with float32 accumulation.
+   :func:`split_bf16` forms hi and -lo in two kernels;
+3. a^T (c g) = a^T hi - a^T (-lo): two bf16 GEMMs with float32 accumulation.
 
 So the contribution summed is exactly c'_i a_i^T g_i with c'_i <= c_i, up to
 float32 accumulation, the same rounding as a float32 GEMM has (the one a float32
@@ -245,31 +246,41 @@ def scaled_split(x: Tensor, factors: Tensor) -> tuple[Tensor, ...]:
     """Rows of a bf16/fp16 ``x`` (B, ...) scaled by ``factors`` rounded down to 8 bits
     (:func:`round_down_bf16`), as parts whose sum is the scaled rows exactly.
 
-    On CUDA with bf16 ``x``: (hi, lo), both bf16 (see the module docstring). Elsewhere:
-    one float32 tensor (the same sum, exact in float32), for a float32 GEMM. Within
+    On CUDA with bf16 ``x``: (hi, minus_lo), both bf16, the rows being hi - minus_lo
+    (:func:`split_bf16`). Elsewhere: one float32 tensor (the same rows, exact in
+    float32), for a float32 GEMM. Within
     :func:`split_cache`, the same rows and factors are split once.
     """
     held = _SPLITS.get()
     key = None if held is None else _split_key(x, factors)
     if held is not None and held.get("key") == key:
         return held["parts"]
-    scaled = _scaled_rows(x, factors)
     if not (x.is_cuda and x.dtype == torch.bfloat16 and _OUT_DTYPE["ok"]):
-        parts: tuple[Tensor, ...] = (scaled,)  # one float32 GEMM: two would be float32 too
+        # one float32 GEMM: two would be float32 too
+        parts: tuple[Tensor, ...] = (_scaled_rows(x, factors),)
     else:
-        parts = split_bf16(scaled)
+        parts = split_bf16(x, _rounded_rows(factors, x))
     if held is not None:
         held.clear()
         held.update(key=key, rows=x, factors=factors, parts=parts)
     return parts
 
 
-def split_bf16(scaled: Tensor) -> tuple[Tensor, Tensor]:
-    """float32 values of at most 16 significant bits as bf16 (hi, lo), hi + lo exact."""
-    hi = scaled.to(torch.bfloat16)
-    # scaled - hi is exact in float32 (hi is promoted inside the subtraction)
-    lo = torch.sub(scaled, hi).to(torch.bfloat16)
-    return hi, lo
+def split_bf16(x: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """x * c for bf16 ``x`` and float32 ``c`` of at most 8 significant bits (broadcast
+    over x: (B, 1, ..., 1) factors), as bf16 (hi, minus_lo) with x * c = hi - minus_lo
+    exactly.
+
+    Two kernels: hi is the product (16 significant bits, exact in float32) rounded to
+    bf16 as it is stored; minus_lo = hi - x * c, computed in float32 (one fused
+    multiply-add where the device contracts it) and stored as bf16. Both steps are exact:
+    |x c - hi| is at most half a unit of hi's last place, so the subtraction loses
+    nothing (Sterbenz), and a whole multiple of the product's last place, so it fits in
+    bf16's 8 bits. (As a float32 product, a cast, a subtraction and a cast it took four.)
+    """
+    hi = torch.mul(x, c, out=torch.empty(x.shape, dtype=torch.bfloat16, device=x.device))
+    minus_lo = torch.addcmul(hi, x, c, value=-1, out=torch.empty_like(hi))
+    return hi, minus_lo
 
 
 #: Round to nearest bf16 moves a value (in bf16's normal range) by at most this much of
@@ -344,22 +355,29 @@ def scaled_cross(x: Tensor, y: Tensor, factors: Tensor, scale_x: bool) -> Tensor
     operand rounded to bf16 and one GEMM (the contribution within :func:`rounding_bound`
     times c'_i of it)."""
     if _ONE_GEMM.get() and x.dtype == y.dtype == torch.bfloat16:
-        # .to() is the one rounding the bound covers
-        rounded = _scaled_rows(x if scale_x else y, factors).to(torch.bfloat16)
+        # the one rounding the bound covers: the float32 product, rounded to nearest bf16
+        # as it is stored (one kernel)
+        rows = x if scale_x else y
+        rounded = torch.mul(
+            rows,
+            _rounded_rows(factors, rows),
+            out=torch.empty(rows.shape, dtype=torch.bfloat16, device=rows.device),
+        )
         left, right = (rounded, y) if scale_x else (x, rounded)
         return mm_f32(left.flatten(0, 1).T, right.flatten(0, 1))
     # for the CUDA op count only: a split held (split_cache) dispatches none of its ops
     hit = _EMULATED["on"] and has_split(x if scale_x else y, factors)
     parts = scaled_split(x if scale_x else y, factors)
     total = None
-    for part in parts:
+    for part in parts:  # the scaled rows, or (hi, minus_lo): hi - minus_lo
         left, right = (part, y) if scale_x else (x, part)
         prod = mm_f32(left.flatten(0, 1).T, right.flatten(0, 1))
-        total = prod if total is None else total.add_(prod)
+        total = prod if total is None else total.sub_(prod)
     if len(parts) == 1 and _EMULATED["on"] and x.dtype == y.dtype == torch.bfloat16:
         flops = 2 * x.shape[0] * x.shape[1] * x.shape[2] * y.shape[2]
         _EMULATED["flops"] += 2 * flops  # two bf16 GEMMs on CUDA (hi, lo) ...
         _EMULATED["extra"] += flops  # ... for this one float32 GEMM
-        # the split (a cast, a subtraction, a cast; none where it was held), a GEMM, an add
-        _EMULATED["ops"] += 2 if hit else 5
+        # beyond this multiplication and GEMM: the split's fused multiply-add (none where
+        # the split was held), a second GEMM, a subtraction
+        _EMULATED["ops"] += 2 if hit else 3
     return total

@@ -94,8 +94,14 @@ say "## dptrain bench --gpu, one workload per call (limit ${BENCH_S}s)"
 # ~40 GB of per-example gradients, so it runs on the others only. The timing process
 # holds every method's model, gradients and AdamW state at once: the 1B model with float32
 # weights costs ~20 GB a method, so that row times book-keeping alone beside non-private.
+# "halves": the same with the Gram matrices in 2 x 2 blocks on CUDA too
+# (rules.HALF_GRAM_DEVICES; whole on CUDA by default since session 14, an estimate that
+# this row tests: 5 launches fewer per ghost-normed layer against a quarter more of the
+# Gram products' arithmetic; its time runs in this process, its memory column in fresh
+# processes, with whole Grams).
 plan=(
     "llama135m-full-bf16 dptrain-bk,dptrain-bk-bounded,dptrain-ghost,opacus-hooks"
+    "llama135m-full-bf16 dptrain-bk halves"
     "llama135m-full-autocast dptrain-bk,dptrain-bk-bounded,dptrain-ghost,opacus-hooks"
     "llama1b-full-bf16 dptrain-bk,dptrain-bk-bounded,dptrain-ghost"
     "llama1b-full-autocast dptrain-bk"
@@ -112,16 +118,22 @@ for item in "${plan[@]}"; do
         continue
     fi
     t0=$SECONDS
-    timeout -k 5 "$left" python3 -m dptrain.cli bench --gpu --workloads "$1" --methods "$2" \
-        --skip accountants,max-batch --out "$WORK/bench/$1" > "$WORK/bench_$1.md" 2> "$WORK/bench_$1.err"
+    name=$1${3:+-$3}
+    setup="import sys; from dptrain.cli import main"
+    if [ "${3:-}" = halves ]; then
+        setup="$setup; from dptrain.clipping import rules; rules.HALF_GRAM_DEVICES.add('cuda')"
+    fi
+    timeout -k 5 "$left" python3 -c "$setup; sys.exit(main(sys.argv[1:]))" bench --gpu \
+        --workloads "$1" --methods "$2" --skip accountants,max-batch --out "$WORK/bench/$name" \
+        > "$WORK/bench_$name.md" 2> "$WORK/bench_$name.err"
     rc=$?
     say ""
-    say "### $1 (exit $rc, $((SECONDS - t0)) s)"
+    say "### $name (exit $rc, $((SECONDS - t0)) s)"
     say ""
-    if [ -s "$WORK/bench/$1/bench.md" ]; then
-        sed -n '/^| workload/,/^$/p' "$WORK/bench/$1/bench.md" >> "$WORK/summary.md"
+    if [ -s "$WORK/bench/$name/bench.md" ]; then
+        sed -n '/^| workload/,/^$/p' "$WORK/bench/$name/bench.md" >> "$WORK/summary.md"
     else
-        tail -n 5 "$WORK/bench_$1.err" >> "$WORK/summary.md"
+        tail -n 5 "$WORK/bench_$name.err" >> "$WORK/summary.md"
     fi
 done
 

@@ -179,6 +179,15 @@ def test_cuda_float32_output_gemms_are_within_float32_accumulation_of_the_exact_
     scale = torch.bmm(x.double().abs(), y.double().abs())
     n = x.shape[2]
     assert ((got.double() - exact).abs() <= n * 2**-24 / (1 - n * 2**-24) * scale).all()
+    # Written into a slot of a larger buffer (streamed per-example gradients): the same
+    # values, in place, by the out= form (which this torch must have: a fallback copy
+    # would cost a launch per streamed parameter and step)
+    buffer = torch.zeros(3, 64 * 64 + 10, device="cuda")
+    slot = buffer[:, 5 : 5 + 64 * 64].view(3, 64, 64)
+    assert bmm_f32(x.cuda(), y.cuda(), out=slot) is slot
+    assert tc._OUT_DTYPE == {"ok": True, "into": True}
+    assert ((slot.cpu().double() - exact).abs() <= n * 2**-24 / (1 - n * 2**-24) * scale).all()
+    assert buffer[:, :5].count_nonzero() == 0 and buffer[:, -5:].count_nonzero() == 0
     # The cancelling record, summed as two bf16 GEMMs (hi, lo) on tensor cores: the
     # clipped sum within Higham's bound of the exact one, as on the CPU. (It is not
     # within 1e-6 of the CPU's float32 GEMM, as this test asserted before the GPU session

@@ -14,7 +14,9 @@ CUDA, the default) and with ``sum_rounding="bounded"`` (one), it reports, each a
   :mod:`dptrain.clipping.tensor_cores` counts them, and the second GEMM a clipped sum
   takes on CUDA is added to the GEMM FLOPs);
 - aten operations dispatched per step here, and as on CUDA (without the upcasts the
-  CPU needs, with the ops of split clipped sums);
+  CPU needs, with the ops of split clipped sums); ghost norms form whole Gram matrices
+  in these counts, as on CUDA (``rules.HALF_GRAM_DEVICES``), not the CPU's 2 x 2 blocks,
+  and streamed per-example gradients are formed in their slots (``streaming.SLOT_DEVICES``);
 - matrix-product FLOPs per step;
 - peak resident memory of a fresh process running 2 steps (the first, with the
   engine's full check, included), and the increment of a third, steady step alone.
@@ -127,7 +129,13 @@ def stepper(method: str, lora: bool, b: int, t: int):
 
 
 def _counts(method: str, lora: bool, b: int, t: int) -> dict:
+    from dptrain.clipping import rules, streaming
     from dptrain.clipping.tensor_cores import flops_emulated, ops_emulated
+
+    # Ghost norms form whole Gram matrices, as on CUDA (the CPU's 2 x 2 blocks save a
+    # quarter of their FLOPs for five more ops per layer): both columns count CUDA's choice.
+    rules.HALF_GRAM_DEVICES.discard("cpu")
+    streaming.SLOT_DEVICES.add("cpu")  # per-example gradients formed in their slots, as on CUDA
 
     step = stepper(method, lora, b, t)
     out = {}

@@ -13,7 +13,8 @@ norm or instantiation), so a CPU counts it at B 1 in seconds:
   clipped sum there is split into two GEMMs (``tensor_cores.ops_emulated`` corrects for
   both);
 - AdamW runs with ``foreach=True``, as it does by default on CUDA (not on a CPU);
-- ghost norms form whole Gram matrices, as on CUDA (``rules.HALF_GRAM_DEVICES``);
+- ghost norms form whole Gram matrices, as on CUDA (``rules.HALF_GRAM_DEVICES``), and
+  streamed per-example gradients are formed in their slots (``streaming.SLOT_DEVICES``);
 - the step is the bench's (``dptrain.bench.workloads.build_step``): forward, loss,
   backward with clipping, noise, AdamW; the third step is counted (the first runs the
   engine's checks).
@@ -60,10 +61,11 @@ class _Launches(TorchDispatchMode):
 def _child(workload: str, method: str, b: int, t: int) -> None:
     torch.optim.AdamW.__init__ = functools.partialmethod(torch.optim.AdamW.__init__, foreach=True)
     from dptrain.bench.workloads import WORKLOADS, build_step
-    from dptrain.clipping import rules
+    from dptrain.clipping import rules, streaming
     from dptrain.clipping.tensor_cores import flops_emulated, ops_emulated
 
     rules.HALF_GRAM_DEVICES.clear()  # whole Gram matrices, as on CUDA
+    streaming.SLOT_DEVICES.add("cpu")  # per-example gradients formed in their slots, as on CUDA
 
     torch.set_num_threads(2)
     w = dataclasses.replace(WORKLOADS[workload], batch_size=b, seq_len=t)

@@ -103,6 +103,36 @@ def test_streamed_chunk_after_the_self_check_matches_the_oracle(family, mode, cl
     engine.detach()
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama-full"])
+def test_streamed_gradients_formed_in_their_slots_match_the_oracle(family, monkeypatch):
+    """As on CUDA (streaming.SLOT_DEVICES), every streamed module but the backward's first
+    forms its per-example gradients in its slot of the shared buffer, with no copy; the
+    engine still matches the oracle."""
+    from dptrain.clipping import streaming
+
+    monkeypatch.setattr(streaming, "SLOT_DEVICES", {"cpu", "cuda"})
+    in_place = []
+    hold = streaming.Slots.hold
+
+    def counting_hold(self, use, grads):
+        in_place.extend(v is self.offered.get((use, k)) for k, v in grads.items())
+        return hold(self, use, grads)
+
+    monkeypatch.setattr(streaming.Slots, "hold", counting_hold)
+    case = _case(family)
+    engine = ClippingEngine(case.model, 1.0, mode="book_keeping")
+    engine.backward(_losses(case, seed=1)(slice(None)))  # the checked chunk
+    case.model.zero_grad(set_to_none=True)
+    in_place.clear()
+    engine.backward(_losses(case, seed=2)(slice(None)))  # streamed alone
+    # the first streamed module of the backward (one parameter: a norm's or a lora_B's
+    # weight) allocates the buffer and is copied into it
+    assert in_place.count(False) == 1 and in_place.count(True) >= 8
+    case.model.zero_grad(set_to_none=True)
+    _check(case, family, engine)
+    engine.detach()
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_checked_chunk_with_streamed_modules_matches_the_oracle(family, mode):

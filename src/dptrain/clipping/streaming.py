@@ -233,6 +233,15 @@ class Streaming:
         call.a = None  # its last reader: the input goes when autograd frees it
 
 
+#: Device types on which a streamed module's per-example gradients are formed in their
+#: slot of the shared buffer (:meth:`Slots.destinations`). CUDA writes a batched GEMM's
+#: output at any stride between examples, saving a copy's launch; the CPU's ``bmm`` into
+#: such a strided slot ran up to twice as long as the product and a copy (Llama-sized
+#: shapes, 2 cores), and a launch costs it nothing. ``benchmarks/launch_count.py`` adds
+#: "cpu" to count launches as on CUDA.
+SLOT_DEVICES: set[str] = {"cuda"}
+
+
 class Slots:
     """One buffer for the per-example gradients of every streamed module of a backward.
 
@@ -288,8 +297,8 @@ class Slots:
         """{name: ``use``'s slot, shaped (b, *param.shape)} for a rule to form its
         per-example gradients in (``LayerRule.per_example_into``); empty until the
         buffer exists (the first streamed module's are copied: its dtype and device
-        are the buffer's)."""
-        if self.buffer is None:
+        are the buffer's) and off :data:`SLOT_DEVICES`."""
+        if self.buffer is None or self.buffer.device.type not in SLOT_DEVICES:
             return {}
         out = {}
         for name in use.rule.param_names:

@@ -173,8 +173,8 @@ _HALF_GRAM_MIN_TOKENS = 64
 #: Device types on which the Gram matrices are formed in halves (above). Not on CUDA:
 #: there a private step of a 135M Llama at B 16, T 512 was bound by its kernel launches,
 #: not by its arithmetic (docs/engine_benchmark.md, "The GPU session"), and the quarter
-#: of the Gram products the halves save is about 2% of that step's FLOPs where they add
-#: about 450 of its ~5,000 launches. ``benchmarks/launch_count.py`` empties it to count
+#: of the Gram products the halves save is about 5% of that step's FLOPs where they add
+#: about 425 of its ~4,900 launches (an estimate until a GPU times both). ``benchmarks/launch_count.py`` empties it to count
 #: launches as CUDA runs them.
 HALF_GRAM_DEVICES: set[str] = {"cpu"}
 
@@ -213,8 +213,9 @@ def _halves_view(x: Tensor) -> bool:
 
 def _gram_blocks(x: Tensor, joint: bool) -> list[tuple[int, Tensor]]:
     """[(weight, Gram blocks of each example, (B k, m, n), example-major)]: x x^T whole
-    below _HALF_GRAM_MIN_TOKENS tokens and off HALF_GRAM_DEVICES, else the blocks 11 and 22 (weight 1) and 12
-    (weight 2) of its 2 x 2 split along tokens, 11 and 22 from one product where
+    below _HALF_GRAM_MIN_TOKENS tokens and off HALF_GRAM_DEVICES, else the blocks 11 and
+    22 (weight 1) and 12 (weight 2) of its 2 x 2 split along tokens, 11 and 22 from one
+    product where
     ``joint`` (:func:`_halves_view`; then k = 2, the pair as that product gives it: a
     view per pair of Grams in :func:`_gram_inner`, not one per Gram); float32 (or
     float64) for a low-precision x (tensor_cores.py)."""
@@ -504,8 +505,8 @@ class RMSNormRule(LayerRule):
     The rule repeats those operations, so its n(x) is the module's own up to the cast
     back to the input's dtype (Llama's before the scale, Gemma's after), which it leaves
     out: per-example gradients are float32. (It used to call the module's forward with
-    a neutral weight: the same n(x), and on a bf16 record seven kernel launches more per
-    norm layer and step: two upcasts, the forward's scale and casts, a copy. A module
+    a neutral weight: the same n(x), and on a bf16 record two kernel launches more per
+    norm layer and step, an upcast of g and the neutral weight's product. A module
     whose n(x) differed would show in the self-check's comparison with autograd.)
     """
 

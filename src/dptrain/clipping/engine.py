@@ -62,6 +62,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from dptrain._checks import check_positive
+from dptrain._gc import collector_paused
 from dptrain.clipping import independence, self_check, shared_table
 from dptrain.clipping.decisions import RowDecisions
 from dptrain.clipping.errors import UnclippedGradientError, UnsupportedModelError
@@ -628,7 +629,13 @@ class ClippingEngine:
         ``units``: an id per example (B,); examples with the same id are one privacy unit
         (a user), whose summed gradient is clipped as one (units.py). The figures are then
         per unit, in order of first appearance.
+
+        Python's garbage collector is held off while it runs (:mod:`dptrain._gc`).
         """
+        with collector_paused():
+            return self._backward(losses, loss_scale, units)
+
+    def _backward(self, losses: Tensor, loss_scale: float, units: Tensor | None) -> ClipStats:
         if losses.dim() != 1:
             raise ValueError(
                 f"losses has shape {tuple(losses.shape)}: expected per-example losses of shape (B,)"

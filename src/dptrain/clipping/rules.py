@@ -174,8 +174,8 @@ _HALF_GRAM_MIN_TOKENS = 64
 #: there a private step of a 135M Llama at B 16, T 512 was bound by its kernel launches,
 #: not by its arithmetic (docs/engine_benchmark.md, "The GPU session"), and the quarter
 #: of the Gram products the halves save is about 5% of that step's FLOPs where they add
-#: about 425 of its ~4,900 launches (an estimate until a GPU times both). ``benchmarks/launch_count.py`` empties it to count
-#: launches as CUDA runs them.
+#: about 425 of its ~4,900 launches (an estimate until a GPU times both).
+#: ``benchmarks/launch_count.py`` empties it to count launches as CUDA runs them.
 HALF_GRAM_DEVICES: set[str] = {"cpu"}
 
 
@@ -215,10 +215,9 @@ def _gram_blocks(x: Tensor, joint: bool) -> list[tuple[int, Tensor]]:
     """[(weight, Gram blocks of each example, (B k, m, n), example-major)]: x x^T whole
     below _HALF_GRAM_MIN_TOKENS tokens and off HALF_GRAM_DEVICES, else the blocks 11 and
     22 (weight 1) and 12 (weight 2) of its 2 x 2 split along tokens, 11 and 22 from one
-    product where
-    ``joint`` (:func:`_halves_view`; then k = 2, the pair as that product gives it: a
-    view per pair of Grams in :func:`_gram_inner`, not one per Gram); float32 (or
-    float64) for a low-precision x (tensor_cores.py)."""
+    product where ``joint`` (:func:`_halves_view`; then k = 2, the pair as that product
+    gives it: a view per pair of Grams in :func:`_gram_inner`, not one per Gram); float32
+    (or float64) for a low-precision x (tensor_cores.py)."""
     b, t = x.shape[:2]
     if t < _HALF_GRAM_MIN_TOKENS or x.device.type not in HALF_GRAM_DEVICES:
         return [(1, bmm_f32(x, x.transpose(1, 2)))]
@@ -300,11 +299,10 @@ class LinearRule(LayerRule):
             into = _fits(out.get("weight"), (x.shape[0], x.shape[1], y.shape[2]), dtype)
             got["weight"] = bmm_f32(x, y, out=into)
         if _trainable(getattr(module, "bias", None)):
-            into = _fits(out.get("bias"), (g.shape[0], g.shape[2]), dtype)
-            if into is not None:
-                got["bias"] = torch.sum(g, 1, dtype=dtype, out=into)
-            else:
-                got["bias"] = upcast(g).sum(1)
+            # summed in float32 for a low-precision g (the bias's gradient reads g alone)
+            g_dtype = torch.float32 if g.dtype in LOW_PRECISION else g.dtype
+            into = _fits(out.get("bias"), (g.shape[0], g.shape[2]), g_dtype)
+            got["bias"] = torch.sum(g, 1, dtype=g_dtype, out=into)
         return got
 
     def norms_sq(self, module, a, g, ghost):

@@ -264,11 +264,14 @@ class Slots:
     def __init__(self, uses: list[Use], b: int):
         self.b = b
         sizes: dict[tuple[Use, str], int] = {}
+        # each slot's per-example shape, for a rule to form its gradients in (destinations)
+        self.shapes: dict[tuple[Use, str], tuple[int, ...]] = {}
         for use in uses:
             for name in use.rule.param_names:
                 p = _param(use.module, name)
                 if _trainable(p):
                     sizes[(use, name)] = p.numel()
+                    self.shapes[(use, name)] = (b, *p.shape)
         # Equal-sized slots side by side, in runs of at most _NORM_RUN entries: a run's
         # squared norms are one reduction over its (b, n, size) view, where a pow and a
         # sum per slot made 50 of the 1,550 aten ops of a Llama step (full fine-tuning,
@@ -304,9 +307,7 @@ class Slots:
         for name in use.rule.param_names:
             block = self.blocks.get((use, name))
             if block is not None:
-                out[name] = self.offered[(use, name)] = block.view(
-                    self.b, *_param(use.module, name).shape
-                )
+                out[name] = self.offered[(use, name)] = block.view(self.shapes[(use, name)])
         return out
 
     def hold(self, use: Use, grads: dict[str, Tensor]) -> dict[str, Tensor]:

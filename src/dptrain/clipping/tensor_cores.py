@@ -162,9 +162,7 @@ def bmm_f32(x: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
     if got is not None:
         return got
     _count(2 * x.shape[0] * x.shape[1] * x.shape[2] * y.shape[2], x, y)
-    if out is not None:
-        return torch.bmm(upcast(x), upcast(y), out=out)
-    return torch.bmm(upcast(x), upcast(y))
+    return torch.bmm(upcast(x), upcast(y), out=out)
 
 
 def product_dtype(x: Tensor, y: Tensor) -> torch.dtype | None:
@@ -248,8 +246,8 @@ def scaled_split(x: Tensor, factors: Tensor) -> tuple[Tensor, ...]:
 
     On CUDA with bf16 ``x``: (hi, minus_lo), both bf16, the rows being hi - minus_lo
     (:func:`split_bf16`). Elsewhere: one float32 tensor (the same rows, exact in
-    float32), for a float32 GEMM. Within
-    :func:`split_cache`, the same rows and factors are split once.
+    float32), for a float32 GEMM. Within :func:`split_cache`, the same rows and factors
+    are split once.
     """
     held = _SPLITS.get()
     key = None if held is None else _split_key(x, factors)
@@ -278,9 +276,15 @@ def split_bf16(x: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     nothing (Sterbenz), and a whole multiple of the product's last place, so it fits in
     bf16's 8 bits. (As a float32 product, a cast, a subtraction and a cast it took four.)
     """
-    hi = torch.mul(x, c, out=torch.empty(x.shape, dtype=torch.bfloat16, device=x.device))
+    hi = _product_bf16(x, c)
     minus_lo = torch.addcmul(hi, x, c, value=-1, out=torch.empty_like(hi))
     return hi, minus_lo
+
+
+def _product_bf16(x: Tensor, c: Tensor) -> Tensor:
+    """x * c computed in float32 and rounded to nearest bf16 as it is stored: one kernel
+    (a float32 product and a cast would be two)."""
+    return torch.mul(x, c, out=torch.empty(x.shape, dtype=torch.bfloat16, device=x.device))
 
 
 #: Round to nearest bf16 moves a value (in bf16's normal range) by at most this much of
@@ -355,14 +359,9 @@ def scaled_cross(x: Tensor, y: Tensor, factors: Tensor, scale_x: bool) -> Tensor
     operand rounded to bf16 and one GEMM (the contribution within :func:`rounding_bound`
     times c'_i of it)."""
     if _ONE_GEMM.get() and x.dtype == y.dtype == torch.bfloat16:
-        # the one rounding the bound covers: the float32 product, rounded to nearest bf16
-        # as it is stored (one kernel)
+        # the one rounding the bound covers
         rows = x if scale_x else y
-        rounded = torch.mul(
-            rows,
-            _rounded_rows(factors, rows),
-            out=torch.empty(rows.shape, dtype=torch.bfloat16, device=rows.device),
-        )
+        rounded = _product_bf16(rows, _rounded_rows(factors, rows))
         left, right = (rounded, y) if scale_x else (x, rounded)
         return mm_f32(left.flatten(0, 1).T, right.flatten(0, 1))
     # for the CUDA op count only: a split held (split_cache) dispatches none of its ops

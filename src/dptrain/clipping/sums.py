@@ -212,9 +212,24 @@ class NormsAndSums:
 
     def weighted_sum(self, name: str, records: Records, c: Tensor, cache: dict) -> Tensor:
         """sum_i c_i grad_i of parameter ``name`` from its uses' records (``cache``: the
-        rules' whole-module sums, keyed by (use, id(c)))."""
+        rules' whole-module sums, keyed by (use, id(c))).
+
+        Each part of ``cache`` this parameter read is dropped from it: a rule's sum gives
+        all of a module's parameters at once, and the module's other parameters still
+        find theirs, but no part outlives its one reader. (The self-check asks for every
+        parameter in one backward: kept, the parts added up to a float32 copy of every
+        gradient, alive at the check's peak.)
+        """
         present = [(u, attr) for u, attr in self.groups[name] if self.recorded(u, records)]
-        return self._weighted_sum_of(name, present, records, c, cache)
+        grad = self._weighted_sum_of(name, present, records, c, cache)
+        for u, attr in present:
+            key = (u, id(c))
+            parts = cache.get(key)
+            if parts is not None:
+                parts.pop(attr, None)
+                if not parts:
+                    del cache[key]
+        return grad
 
     def drain(
         self, records: Records, factor_of: Callable[[str], Tensor]
@@ -283,7 +298,17 @@ class NormsAndSums:
                     with one_gemm_sums(u in self._bounds):
                         sums[key] = self.rule(u).clipped_sum(u.module, a, g, c)
                 part = sums[key][attr]
-            grad = part if grad is None else grad + part
+            if grad is None:
+                grad = part
+            elif grad.dtype == torch.promote_types(grad.dtype, part.dtype) and (
+                grad.shape == part.shape
+            ):
+                # in place: each (use, attribute) part has this one reader, and a tied
+                # embedding's parts are the largest float32 tensors the step forms (1 GB
+                # each on a 1B model's 128k-token table); a third copy would be its peak
+                grad.add_(part)
+            else:
+                grad = grad + part
         return grad
 
     def _held_sum(self, use: Use, attr: str, c: Tensor, sums: dict) -> Tensor:

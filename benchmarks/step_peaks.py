@@ -6,6 +6,11 @@ first step runs the engine's checks; weights and AdamW state made before a step 
 in its count.
 
     PYTHONPATH=src:benchmarks python benchmarks/step_peaks.py llama135m-full-bf16 4 128
+    PYTHONPATH=src:benchmarks python benchmarks/step_peaks.py llama135m-full-bf16 4 512 dptrain-bk,dptrain-instantiate
+
+The fourth argument names the private methods to set beside non-private (default
+dptrain-bk). On a CPU the engine's float32-output products upcast their bf16 operands
+(``tensor_cores.mm_f32``); those copies, absent on CUDA, are counted here.
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ def _child(name: str, method: str, b: int, t: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 6 and sys.argv[5] == "child":
+    if len(sys.argv) == 6 and sys.argv[5] == "child":  # name, method, b, t, "child"
         _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return
     name, b, t = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    methods = sys.argv[4].split(",") if len(sys.argv) > 4 else ["dptrain-bk"]
     got = {}
-    for method in ("nonprivate", "dptrain-bk"):
+    for method in ("nonprivate", *methods):
         run = subprocess.run(
             [sys.executable, __file__, name, method, str(b), str(t), "child"],
             capture_output=True,
@@ -53,13 +59,15 @@ def main() -> None:
         )
         got[method] = json.loads(run.stdout.strip().splitlines()[-1])
     for i, label in enumerate(("first (checks)", "second", "third")):
-        base, mine = got["nonprivate"][i], got["dptrain-bk"][i]
-        print(
-            f"step {label}: non-private {base['peak'] / 2**20:.0f} MB, dptrain-bk "
-            f"{mine['peak'] / 2**20:.0f} MB ({mine['peak'] / base['peak']:.2f}x)"
-        )
-        for op, d in largest_differences(base["at_peak"], mine["at_peak"], 8):
-            print(f"   {d / 2**20:+8.1f} MB  {op}")
+        base = got["nonprivate"][i]
+        for method in methods:
+            mine = got[method][i]
+            print(
+                f"step {label}: non-private {base['peak'] / 2**20:.0f} MB, {method} "
+                f"{mine['peak'] / 2**20:.0f} MB ({mine['peak'] / base['peak']:.2f}x)"
+            )
+            for op, d in largest_differences(base["at_peak"], mine["at_peak"], 8):
+                print(f"   {d / 2**20:+8.1f} MB  {op}")
 
 
 if __name__ == "__main__":

@@ -346,3 +346,101 @@ def test_streamed_buffer_gives_each_parameters_weighted_sum_and_norms(run, monke
             torch.testing.assert_close(norms[(u, k)].double(), want_sq, rtol=1e-6, atol=0)
     # a checked chunk replaces a module's gradients out of place: no longer the slot's
     assert not slots.holds(uses[0], "weight", held[uses[0]]["weight"] + 1)
+
+
+def test_a_bf16_store_rounds_once_and_sums_exact_products(monkeypatch):
+    """Slots stored in bf16 (``stored_as``): a float32 gradient is held rounded to nearest;
+    its norm is that of the stored values; its weighted sum is sum_i c'_i v_i of the
+    stored values with c'_i the factor rounded down to 8 bits (exact products: float64
+    agrees to float32 accumulation), the same in column blocks as whole; the float32
+    slots beside it are unchanged."""
+    from dptrain.clipping import streaming
+    from dptrain.clipping.records import Use
+    from dptrain.clipping.rules import LinearRule, NormLayerRule
+    from dptrain.clipping.streaming import Slots
+    from dptrain.clipping.tensor_cores import round_down_bf16
+
+    b = 5
+    lin, norm = nn.Linear(6, 7), nn.LayerNorm(7)
+    uses = [Use("lin", lin, LinearRule()), Use("norm", norm, NormLayerRule())]
+    gen = torch.Generator().manual_seed(0)
+    grads = {
+        uses[0]: {"weight": torch.randn(b, 7, 6, generator=gen), "bias": torch.randn(b, 7)},
+        uses[1]: {"weight": torch.randn(b, 7, generator=gen), "bias": torch.randn(b, 7)},
+    }
+    c = torch.rand(b, generator=gen) * 3
+    got = {}
+    for run in (1 << 22, 8):  # whole, and one slot per run and column block
+        monkeypatch.setattr(streaming, "_NORM_RUN", run)
+        slots = Slots(uses, b, stored_as={uses[0]: torch.bfloat16})
+        held = {u: slots.hold(u, g) for u, g in grads.items()}
+        assert {k: v.dtype for k, v in slots.buffers.items()} == {
+            torch.bfloat16: torch.bfloat16,
+            None: torch.float32,
+        }
+        got[run] = (slots.weighted_sums(c), slots.squared_norms())
+        for u, g in grads.items():
+            for k, v in g.items():
+                stored = held[u][k]
+                assert slots.holds(u, k, stored)
+                factor = c
+                if u is uses[0]:
+                    assert stored.dtype == torch.bfloat16 and torch.equal(stored, v.bfloat16())
+                    factor = round_down_bf16(c)
+                else:
+                    assert torch.equal(stored, v)
+                want = torch.einsum("b,b...->...", factor.double(), stored.double())
+                torch.testing.assert_close(got[run][0][(u, k)].double(), want, rtol=1e-6, atol=0)
+                want_sq = stored.double().flatten(1).pow(2).sum(1)
+                torch.testing.assert_close(got[run][1][(u, k)].double(), want_sq, rtol=1e-6, atol=0)
+                assert got[run][0][(u, k)].dtype == torch.float32
+    for key, v in got[8][0].items():
+        torch.testing.assert_close(v, got[1 << 22][0][key], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("b", [6, 64])
+@pytest.mark.parametrize("slot_devices", [set(), {"cpu"}])
+def test_bf16_streamed_linear_layers_are_kept_in_bf16_and_move_the_sum_by_at_most_c(
+    b, slot_devices, monkeypatch
+):
+    """A Llama with bf16 weights: k and v stream (T 16) and are kept in bf16, the norms
+    beside them in float32; formed in their slots (as on CUDA) or copied. One example
+    still moves the clipped sum by at most C (its norm is that of the bf16 values summed),
+    and the sums stay within bf16's rounding of the float32 store's."""
+    from dptrain.clipping import rules, streaming
+
+    monkeypatch.setattr(streaming, "SLOT_DEVICES", slot_devices)
+    stores: list = []
+    allocate = streaming.Slots._allocate
+
+    def spy(self, dtype, like):
+        stores.append(dtype)
+        return allocate(self, dtype, like)
+
+    monkeypatch.setattr(streaming.Slots, "_allocate", spy)
+    case = hf_zoo.llama()
+    case.model.bfloat16()
+    kwargs, labels = case.make_batch(b, T_STREAM, 3)
+
+    def losses():
+        return case.losses(case.model(**kwargs), labels)
+
+    outcome, worst = sensitivity(case.model, losses, 1, max_grad_norm=0.01, slack=1e-6)
+    assert outcome == PRIVATE and worst > 0.99  # clipped: the bound is reached
+    assert set(stores) == {torch.bfloat16, None}
+    sums = {}
+    for keeps in (True, False):
+        monkeypatch.setattr(rules.LinearRule, "keeps_record_precision", keeps)
+        engine = ClippingEngine(case.model, 0.01)
+        case.model.zero_grad(set_to_none=True)
+        engine.backward(losses())
+        assert {n.rsplit(".", 1)[-1] for n in engine.streamed} >= {"k_proj", "v_proj"}
+        sums[keeps] = {n: engine.clipped_sum(p).clone() for n, p in case.model.named_parameters()}
+        engine.detach()
+    # every sum moves a little (the norms, hence the factors, read the rounded values);
+    # those of k and v by their per-example gradients' rounding
+    for name, want in sums[False].items():
+        err = float((sums[True][name] - want).norm() / want.norm())
+        assert err < 2**-7, name
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            assert err > 0, name

@@ -1101,6 +1101,9 @@ def _per_unit(per_example: dict[Use, dict[str, Tensor]], index: UnitIndex) -> di
         out[use] = {}
         for name, v in grads.items():
             inverse = index.inverse.to(v.device)
+            # in float32 for gradients kept in bf16 (streaming.Slots): a bf16 index_add
+            # may accumulate in bf16 (PyTorch's CPU kernel does)
+            v = upcast(v)
             out[use][name] = v.new_zeros((index.num_units, *v.shape[1:])).index_add_(0, inverse, v)
     return out
 

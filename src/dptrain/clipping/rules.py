@@ -76,6 +76,10 @@ class LayerRule(abc.ABC):
     #: How norms are computed: "ghost" (always), "instantiate" (always: small
     #: per-example gradients), or "either" (the engine picks per call by cost).
     norm_choice: str = "instantiate"
+    #: True where the per-example gradients are products of the record's two operands
+    #: (a linear layer's): streamed on a bf16 record, they are kept in bf16, the dtype
+    #: autograd forms the parameter's own gradient in (``streaming.Slots``).
+    keeps_record_precision: bool = False
 
     def check(self, module: nn.Module) -> str | None:
         """A reason why this module cannot be clipped exactly, or None."""
@@ -151,10 +155,13 @@ def weighted_sum(per_example: dict[str, Tensor], factors: Tensor) -> dict[str, T
     """{name: sum_i factors[i] * grad_i} from per-example gradients {name: (B, *shape)}."""
     # A matrix-vector product: einsum dispatches about 12 aten ops per tensor for the same
     # sum (permutes, views, a bmm), and the engine forms one per parameter every step.
+    # A low-precision one (kept in bf16, streaming.Slots) is summed in float32: its
+    # factors cast to bf16 would round up as often as down, and the sum would round too.
     return {
-        k: torch.mv(v.reshape(v.shape[0], math.prod(v.shape[1:])).T, factors.to(v.dtype)).view(
-            v.shape[1:]
-        )
+        k: torch.mv(
+            upcast(v.reshape(v.shape[0], math.prod(v.shape[1:]))).T,
+            factors.to(torch.float32 if v.dtype in LOW_PRECISION else v.dtype),
+        ).view(v.shape[1:])
         for k, v in per_example.items()
     }
 
@@ -280,6 +287,7 @@ class LinearRule(LayerRule):
     transposed = False
     norm_choice = "either"
     low_precision_records = True
+    keeps_record_precision = True
 
     def ghost_is_cheaper(self, module: nn.Module, a: Tensor, g: Tensor) -> bool:
         """Li et al. 2022 (§4): ghost norm when 2 T^2 < d_in d_out (memory per example)."""
@@ -296,12 +304,21 @@ class LinearRule(LayerRule):
         if _trainable(module.weight):
             # (B, p, d), or (B, d, p) stored transposed; bmm: ~4x einsum's speed on CPU
             x, y = (a.transpose(1, 2), g) if self.transposed else (g.transpose(1, 2), a)
-            into = _fits(out.get("weight"), (x.shape[0], x.shape[1], y.shape[2]), dtype)
-            got["weight"] = bmm_f32(x, y, out=into)
+            shape = (x.shape[0], x.shape[1], y.shape[2])
+            if _fits(out.get("weight"), shape, torch.bfloat16) is not None and (
+                x.dtype == y.dtype == torch.bfloat16
+            ):  # a bf16 slot (streaming.Slots): as autograd forms a bf16 weight's gradient
+                got["weight"] = torch.bmm(x, y, out=out["weight"])
+            else:
+                got["weight"] = bmm_f32(x, y, out=_fits(out.get("weight"), shape, dtype))
         if _trainable(getattr(module, "bias", None)):
-            # summed in float32 for a low-precision g (the bias's gradient reads g alone)
+            # summed in float32 for a low-precision g (the bias's gradient reads g alone),
+            # rounded once where its slot is bf16
             g_dtype = torch.float32 if g.dtype in LOW_PRECISION else g.dtype
-            into = _fits(out.get("bias"), (g.shape[0], g.shape[2]), g_dtype)
+            into = out.get("bias")
+            if into is not None and into.dtype == torch.bfloat16 == g.dtype:
+                g_dtype = torch.bfloat16
+            into = _fits(into, (g.shape[0], g.shape[2]), g_dtype)
             got["bias"] = torch.sum(g, 1, dtype=g_dtype, out=into)
         return got
 

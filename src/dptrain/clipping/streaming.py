@@ -29,7 +29,9 @@ from dptrain.clipping.records import (
     for_rule,
     own_params,
 )
+from dptrain.clipping.precision import LOW_PRECISION
 from dptrain.clipping.rules import LayerRule, _param, _trainable
+from dptrain.clipping.tensor_cores import mm_f32, round_down_bf16, tensor_cores
 
 __all__ = ["PerExampleGrads", "Slots", "Streaming", "streamable_uses"]
 
@@ -175,7 +177,11 @@ class Streaming:
         for u, c in calls:
             if u in streamed:
                 by_node.setdefault(id(c.edge.node), (c.edge.node, []))[1].append((u, c))
-        slots = Slots([u for u in dict.fromkeys(u for u, _ in calls) if u in streamed], b)
+        slots = Slots(
+            [u for u in dict.fromkeys(u for u, _ in calls) if u in streamed],
+            b,
+            stored_as=_stored_as(calls, streamed),
+        )
         fired: set[Call] = set()
 
         def stream(node_calls):
@@ -233,6 +239,18 @@ class Streaming:
         call.a = None  # its last reader: the input goes when autograd frees it
 
 
+def _stored_as(calls: list[tuple[Use, Call]], streamed: set[Use]) -> dict[Use, torch.dtype]:
+    """The streamed modules whose per-example gradients are kept in bf16 (Slots): a rule
+    whose gradients are products of its record's operands (``keeps_record_precision``)
+    where every call of this backward computed in bf16 on a bf16 record."""
+    bf16: dict[Use, bool] = {}
+    for u, c in calls:
+        if u in streamed and u.rule.keeps_record_precision:
+            ok = c.low_precision and c.a is not None and c.a.dtype == torch.bfloat16
+            bf16[u] = bf16.get(u, True) and ok
+    return {u: torch.bfloat16 for u, ok in bf16.items() if ok}
+
+
 #: Device types on which a streamed module's per-example gradients are formed in their
 #: slot of the shared buffer (:meth:`Slots.destinations`). CUDA writes a batched GEMM's
 #: output at any stride between examples, saving a copy's launch; the CPU's ``bmm`` into
@@ -243,7 +261,8 @@ SLOT_DEVICES: set[str] = {"cuda"}
 
 
 class Slots:
-    """One buffer for the per-example gradients of every streamed module of a backward.
+    """One buffer for the per-example gradients of every streamed module of a backward
+    (one per storage dtype: see ``stored_as``).
 
     They are formed one module at a time while the backward runs and kept until its
     end. As separate tensors, these hundreds of small allocations, made while a retained
@@ -259,37 +278,56 @@ class Slots:
     are then one matrix-vector product, and their squared norms one reduction per run of
     equal-sized slots (:meth:`weighted_sums`, :meth:`squared_norms`), where per parameter
     each took 3-4 aten ops (hundreds of launches a step for LoRA).
+
+    ``stored_as``: modules whose per-example gradients are kept in bf16 (a linear layer
+    on bf16 records: its gradient is a product of two bf16 operands, which autograd
+    itself returns in bf16), in a second buffer. Half the bytes of float32: at B 16,
+    T 512 a 135M Llama's streamed attention projections hold 1.7 GB in float32. Their
+    norms and weighted sums read the stored bf16 values (the norm is of what is summed,
+    so one example still moves the sum by at most C); the sums' factors are rounded
+    down to 8 bits, as for the records' clipped sums, so that every product is exact in
+    float32 (:func:`_weighted_columns`).
     """
 
-    def __init__(self, uses: list[Use], b: int):
+    def __init__(self, uses: list[Use], b: int, stored_as: dict[Use, torch.dtype] | None = None):
         self.b = b
+        stored_as = stored_as or {}
         sizes: dict[tuple[Use, str], int] = {}
         # each slot's per-example shape, for a rule to form its gradients in (destinations)
         self.shapes: dict[tuple[Use, str], tuple[int, ...]] = {}
+        kind: dict[tuple[Use, str], torch.dtype | None] = {}  # None: as the rule forms them
         for use in uses:
             for name in use.rule.param_names:
                 p = _param(use.module, name)
                 if _trainable(p):
                     sizes[(use, name)] = p.numel()
                     self.shapes[(use, name)] = (b, *p.shape)
+                    kind[(use, name)] = stored_as.get(use)
         # Equal-sized slots side by side, in runs of at most _NORM_RUN entries: a run's
         # squared norms are one reduction over its (b, n, size) view, where a pow and a
         # sum per slot made 50 of the 1,550 aten ops of a Llama step (full fine-tuning,
-        # docs/engine_benchmark.md). The run bounds that reduction's temporary.
-        by_size: dict[int, list[tuple[Use, str]]] = {}
+        # docs/engine_benchmark.md). The run bounds that reduction's temporary. Each
+        # storage dtype's runs make one buffer.
+        by_size: dict[tuple[torch.dtype | None, int], list[tuple[Use, str]]] = {}
         for key, n in sizes.items():
-            by_size.setdefault(n, []).append(key)
+            by_size.setdefault((kind[key], n), []).append(key)
         self.runs: list[tuple[list[tuple[Use, str]], int]] = []
-        for n, keys in by_size.items():
-            per_run = max(1, _NORM_RUN // max(1, b * n))
-            self.runs += [(keys[i : i + per_run], n) for i in range(0, len(keys), per_run)]
-        self.slots: dict[tuple[Use, str], int] = {  # columns, in the buffer's order
+        self._run_kinds: list[torch.dtype | None] = []
+        for dtype in dict.fromkeys(kind.values()):
+            for (k, n), keys in by_size.items():
+                if k != dtype:
+                    continue
+                per_run = max(1, _NORM_RUN // max(1, b * n))
+                for i in range(0, len(keys), per_run):
+                    self.runs.append((keys[i : i + per_run], n))
+                    self._run_kinds.append(dtype)
+        self.slots: dict[tuple[Use, str], int] = {  # columns, in the buffers' order
             key: n for keys, n in self.runs for key in keys
         }
-        self.numel = sum(self.slots.values())
-        self.buffer: Tensor | None = None
+        self._kind = kind
+        self.buffers: dict[torch.dtype | None, Tensor] = {}
         self.blocks: dict[tuple[Use, str], Tensor] = {}
-        self._run_views: list[Tensor] = []  # (b, n, size) per run
+        self._run_views: list[Tensor | None] = [None] * len(self.runs)  # (b, n, size)
         # the view of its slot handed out per (use, name): whether a per-example gradient
         # still lives in the buffer (a checked chunk replaces it out of place)
         self.views: dict[tuple[Use, str], Tensor] = {}
@@ -298,52 +336,55 @@ class Slots:
 
     def destinations(self, use: Use) -> dict[str, Tensor]:
         """{name: ``use``'s slot, shaped (b, *param.shape)} for a rule to form its
-        per-example gradients in (``LayerRule.per_example_into``); empty until the
-        buffer exists (the first streamed module's are copied: its dtype and device
-        are the buffer's) and off :data:`SLOT_DEVICES`."""
-        if self.buffer is None or self.buffer.device.type not in SLOT_DEVICES:
-            return {}
+        per-example gradients in (``LayerRule.per_example_into``); empty until its
+        buffer exists (the first streamed module's are copied: a buffer's device, and
+        its dtype where ``stored_as`` leaves it open, are theirs) and off
+        :data:`SLOT_DEVICES`."""
         out = {}
         for name in use.rule.param_names:
             block = self.blocks.get((use, name))
-            if block is not None:
+            if block is not None and block.device.type in SLOT_DEVICES:
                 out[name] = self.offered[(use, name)] = block.view(self.shapes[(use, name)])
         return out
 
     def hold(self, use: Use, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """``grads`` copied into ``use``'s slots (a copy of its own where one does not
-        fit); a gradient the rule formed in its slot (:meth:`destinations`) stays."""
+        fit); a gradient the rule formed in its slot (:meth:`destinations`) stays. A
+        slot stored in bf16 takes a float32 gradient rounded to nearest."""
         out = {}
         for name, v in grads.items():
-            if v is self.offered.pop((use, name), None):
-                out[name] = self.views[(use, name)] = v
+            key = (use, name)
+            if v is self.offered.pop(key, None):
+                out[name] = self.views[key] = v
                 continue
-            if self.buffer is None:
-                self._allocate(v)
-            n = self.slots.get((use, name), -1)
-            if (
-                n * self.b != v.numel()
-                or v.dtype != self.buffer.dtype
-                or v.device != self.buffer.device
-            ):
+            n = self.slots.get(key, -1)
+            if n * self.b != v.numel():
                 out[name] = v.clone()
                 continue
-            block = self.blocks[(use, name)]
+            dtype = self._kind[key]
+            if dtype not in self.buffers:
+                self._allocate(dtype, v)
+            buffer = self.buffers[dtype]
+            if v.device != buffer.device or (dtype is None and v.dtype != buffer.dtype):
+                out[name] = v.clone()
+                continue
+            block = self.blocks[key]
             out[name] = block if block.shape == v.shape else block.view(v.shape)
             out[name].copy_(v)
-            self.views[(use, name)] = out[name]
+            self.views[key] = out[name]
         return out
 
-    def _allocate(self, like: Tensor) -> None:
-        self.buffer = like.new_empty(self.b, self.numel)
+    def _allocate(self, dtype: torch.dtype | None, like: Tensor) -> None:
+        mine = [i for i, k in enumerate(self._run_kinds) if k == dtype]
+        widths = [len(self.runs[i][0]) * self.runs[i][1] for i in mine]
+        buffer = self.buffers[dtype] = like.new_empty(
+            (self.b, sum(widths)), dtype=like.dtype if dtype is None else dtype
+        )
         # every slot's columns, (b, size) each: one split into runs and one unbind per
         # run, not a slice per slot
-        pieces = self.buffer.split([len(keys) * n for keys, n in self.runs], 1)
-        self._run_views = [
-            piece.view(self.b, len(keys), n)
-            for piece, (keys, n) in zip(pieces, self.runs, strict=True)
-        ]
-        for view, (keys, _) in zip(self._run_views, self.runs, strict=True):
+        for i, piece in zip(mine, buffer.split(widths, 1), strict=True):
+            keys, n = self.runs[i]
+            self._run_views[i] = view = piece.view(self.b, len(keys), n)
             self.blocks.update(zip(keys, view.unbind(1), strict=True))
 
     def holds(self, use: Use, name: str, v: Tensor) -> bool:
@@ -351,28 +392,59 @@ class Slots:
         return self.views.get((use, name)) is v
 
     def weighted_sums(self, factors: Tensor) -> dict[tuple[Use, str], Tensor]:
-        """{(use, name): sum_i factors[i] * grad_i} of every filled slot: one product."""
-        flat = torch.mv(self.buffer.T, factors.to(self.buffer.dtype))
-        return self._per_slot(flat.split(list(self.slots.values())))
+        """{(use, name): sum_i factors[i] * grad_i} of every filled slot, in float32 for a
+        bf16 store: one product per buffer."""
+        out = {}
+        for dtype, buffer in self.buffers.items():
+            keys = [
+                key
+                for (run, n), k in zip(self.runs, self._run_kinds, strict=True)
+                if k == dtype
+                for key in run
+            ]
+            flat = _weighted_columns(buffer, factors)
+            for key, piece in zip(keys, flat.split([self.slots[k] for k in keys]), strict=True):
+                if key in self.views:
+                    shape = self.views[key].shape[1:]
+                    out[key] = piece if piece.shape == shape else piece.view(shape)
+        return out
 
     def squared_norms(self) -> dict[tuple[Use, str], Tensor]:
         """{(use, name): (b,) squared norms of the per-example gradients} of every filled
-        slot: one square and one sum per run of equal-sized slots (float32 sums of the
-        same squares as slot by slot, in another order)."""
+        slot: one reduction per run of equal-sized slots (float32 sums of the same
+        squares as slot by slot, in another order; of a bf16 store's values as stored)."""
         out = {}
         for view, (keys, _) in zip(self._run_views, self.runs, strict=True):
-            if any(key in self.views for key in keys):
-                norms = view.pow(2).sum(2).unbind(1)
-                out.update((k, sq) for k, sq in zip(keys, norms, strict=True) if k in self.views)
+            if view is None or not any(key in self.views for key in keys):
+                continue
+            if view.dtype in LOW_PRECISION:  # squares and sums in float32, no copy of the run
+                norms = torch.linalg.vector_norm(view, dim=2, dtype=torch.float32).square()
+            else:
+                norms = view.pow(2).sum(2)
+            out.update(
+                (k, sq) for k, sq in zip(keys, norms.unbind(1), strict=True) if k in self.views
+            )
         return out
 
-    def _per_slot(self, pieces) -> dict[tuple[Use, str], Tensor]:
-        out = {}
-        for key, piece in zip(self.slots, pieces, strict=True):
-            if key in self.views:
-                shape = self.views[key].shape[1:]
-                out[key] = piece if piece.shape == shape else piece.view(shape)
-        return out
+
+def _weighted_columns(buffer: Tensor, factors: Tensor) -> Tensor:
+    """sum_i factors[i] * buffer[i] over the rows of a (b, n) buffer, as an (n,) vector.
+
+    A bf16 buffer is summed with its factors rounded down to 8 significant bits
+    (``round_down_bf16``: c' <= c, an example's contribution only shrinks), so that each
+    product is exact in float32 and the sum float32 (tensor cores on CUDA); off CUDA in
+    column blocks, whose upcasts are transient (a float32 copy of the whole buffer would
+    be its size twice over)."""
+    if buffer.dtype not in LOW_PRECISION:
+        return torch.mv(buffer.T, factors.to(buffer.dtype))
+    c = round_down_bf16(factors).to(buffer.dtype)[None]
+    if tensor_cores(c, buffer):
+        return mm_f32(c, buffer)[0]
+    out = torch.empty(buffer.shape[1], dtype=torch.float32, device=buffer.device)
+    step = max(1, _NORM_RUN // max(1, buffer.shape[0]))
+    for start in range(0, buffer.shape[1], step):
+        out[start : start + step] = mm_f32(c, buffer[:, start : start + step])[0]
+    return out
 
 
 class PerExampleGrads(dict):

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from dptrain.clipping.phantom import phantom_cross_term
+from dptrain.clipping.precision import LOW_PRECISION
 from dptrain.clipping.records import Use, for_rule
 from dptrain.clipping.rules import (
     EmbeddingRule,
@@ -352,8 +353,16 @@ def _tied_norm_sq(present, records: Records) -> Tensor:
 
 
 def _squared_norms(per_example: dict[str, Tensor]) -> dict[str, Tensor]:
-    """{name: (B,) squared norms} of per-example gradients {name: (B, *shape)}."""
-    return {k: v.flatten(1).pow(2).sum(1) for k, v in per_example.items()}
+    """{name: (B,) squared norms} of per-example gradients {name: (B, *shape)}; those kept
+    in bf16 (streaming.Slots) squared and summed in float32, as stored."""
+    return {
+        k: (
+            torch.linalg.vector_norm(v.flatten(1), dim=1, dtype=torch.float32).square()
+            if v.dtype in LOW_PRECISION
+            else v.flatten(1).pow(2).sum(1)
+        )
+        for k, v in per_example.items()
+    }
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
 from dptrain.clipping.errors import UnsupportedModelError
+from dptrain.clipping.precision import LOW_PRECISION
 from dptrain.clipping.records import (
     Call,
     Use,
@@ -29,7 +30,6 @@ from dptrain.clipping.records import (
     for_rule,
     own_params,
 )
-from dptrain.clipping.precision import LOW_PRECISION
 from dptrain.clipping.rules import LayerRule, _param, _trainable
 from dptrain.clipping.tensor_cores import mm_f32, round_down_bf16, tensor_cores
 

@@ -54,8 +54,8 @@ def test_the_checks_sums_are_let_go_once_compared(monkeypatch):
     left: list[list] = []
     original = NormsAndSums.weighted_sum
 
-    def spy(self, name, records, c, cache):
-        out = original(self, name, records, c, cache)
+    def spy(self, name, records, c, cache, *formed):
+        out = original(self, name, records, c, cache, *formed)
         left.append([k for k in cache if isinstance(k, tuple)])
         return out
 
@@ -73,3 +73,37 @@ def test_the_checks_sums_are_let_go_once_compared(monkeypatch):
     assert max(len(keys) for keys in left) <= 1  # at most the module read halfway
     assert any(len(keys) == 1 for keys in left)  # ... which the bias makes happen
     assert not left[-1]
+
+
+def test_the_check_holds_each_output_gradient_only_until_its_parameters_are_compared(
+    monkeypatch,
+):
+    """The check runs before the chunk's own backward, and each subset's backward lets a
+    call's output gradient go once its module's parameters are compared: at any time it
+    holds a few (the tied head's, from the first module reached to the last, and the
+    module being compared), never one per recorded call beside the retained graph."""
+    import weakref
+
+    from dptrain.clipping import engine as engine_module
+
+    seen: list = []
+    alive_counts: list[int] = []
+    original = engine_module._CheckView.records
+
+    def spy(self, calls, grads, b):
+        seen.extend(weakref.ref(g) for g in grads if g is not None)
+        # distinct memory: the residual stream's gradient reaches several modules' outputs
+        alive = {r().untyped_storage().data_ptr() for r in seen if r() is not None}
+        alive_counts.append(len(alive))
+        return original(self, calls, grads, b)
+
+    monkeypatch.setattr(engine_module._CheckView, "records", spy)
+    case = hf_zoo.llama(tied=True, num_hidden_layers=6)
+    engine = ClippingEngine(case.model, max_grad_norm=1.0)
+    kwargs, labels = case.make_batch(4, 6, 0)
+    engine.backward(case.losses(case.model(**kwargs), labels))
+    assert engine.self_checks == 1
+    modules = len(engine._uses)
+    assert modules >= 50
+    assert len(seen) >= modules  # every module's gradient, in some subset
+    assert max(alive_counts) <= 3  # whatever the depth

@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from dptrain.clipping import ClippingEngine, UnsupportedModelError
+from dptrain.clipping.separation import separating_masks
 from tests.clipping import hf_zoo
 from tests.clipping.oracle_check import assert_engine_matches_oracle
 from tests.clipping.sensitivity import PRIVATE, sensitivity
@@ -157,8 +158,8 @@ def test_streamed_output_gradient_is_not_held(mode, checked, norm_method):
     """The last layer's down_proj.lora_B gets its output gradient g (B, T, d) early in the
     backward; by the time the first layer's q_proj.lora_B gets its own (among the last),
     nothing may hold that g any more (a weak reference to it is dead), and the engine
-    has let the recorded input go too, on a checked chunk as well (the rows check asks
-    for zeros in the masked output gradient and needs no second look at the input). norm_method="ghost"
+    has let the recorded input go too, on a checked chunk as well (the check's subset
+    backwards run first, each letting g go once its parameters are compared). norm_method="ghost"
     makes the LoRA matrices ghost-normed, hence recorded and held: there the weak
     reference stays alive, which shows the test would see a held g."""
     case = _lora("llama")
@@ -184,17 +185,20 @@ def test_streamed_output_gradient_is_not_held(mode, checked, norm_method):
     def at_late(grad_outputs):
         refs.append(weakref.ref(grad_outputs[0]))
 
-    def at_early(grad_outputs):
-        if not seen:  # the engine's own backward (a checked chunk runs a second one)
-            gc.collect()
-            seen.append((refs[0]() is None, late_call.a is None))
+    def at_early(grad_outputs):  # in every backward: the check's subsets come first
+        gc.collect()
+        seen.append((refs[-1]() is None, late_call.a is None))
 
     nodes[late].register_prehook(at_late)
     nodes[early].register_prehook(at_early)
     engine.backward(losses)
     streams = norm_method == "auto"
     assert (engine._uses[late].name in engine.streamed) == streams
-    g_dropped, a_dropped = seen[0]
+    # the engine's own backward: after the check's, one per subset, on a checked chunk
+    own = len(separating_masks(B)) if checked else 0
+    if checked:  # the check lets g go once late's parameters are compared, and keeps a
+        assert all(g for g, _ in seen[:own]) and not any(a for _, a in seen[:own])
+    g_dropped, a_dropped = seen[own]
     assert g_dropped == streams
     assert a_dropped == streams
     engine.detach()

@@ -35,8 +35,13 @@ class Sums(Protocol):
     """Whether the clipped sum is formed from the records (book-keeping, or ghost on a
     low-precision chunk); if not, ghost's second backward follows the check."""
 
-    def reached(self, records: dict) -> list[str]:
-        """Names of the clipped parameters some record of this chunk reaches."""
+    def parameters_of(self, uses) -> list[str]:
+        """Names of the clipped parameters of these modules."""
+
+    def records(self, calls: list, grads: list, b: int) -> dict:
+        """The records (a, g) of ``calls`` [(module, call)] with these output gradients
+        (examples first; None for a call the gradient did not reach), as the engine
+        builds them from its own backward."""
 
     def parameter(self, name: str) -> nn.Parameter:
         """The clipped parameter called ``name`` as autograd's graph holds it (under FSDP2:
@@ -45,9 +50,12 @@ class Sums(Protocol):
     def owners(self, name: str) -> list[Owner]:
         """The modules whose rules cover parameter ``name``."""
 
-    def weighted_sum(self, name: str, records: dict, weights: Tensor, cache: dict) -> Tensor:
+    def weighted_sum(
+        self, name: str, records: dict, weights: Tensor, cache: dict, formed=()
+    ) -> Tensor:
         """sum_i weights_i grad_i of parameter ``name`` from the records (``cache``: the
-        rules' whole-module sums for these weights)."""
+        rules' whole-module sums for these weights; ``formed``: modules whose sum is taken
+        over per-example gradients formed from the record, as a streamed module's is)."""
 
     def accumulation_bound(self, name: str, records: dict, weights: Tensor) -> Tensor | None:
         """An elementwise bound on how far autograd's own gradient of ``name`` (for these

@@ -685,27 +685,26 @@ class ClippingEngine:
             )
             streamed = {u for u in active if self._streaming.streams(u, live[u], b)}
             self.streamed = tuple(u.name for u in active if u in streamed)
-            # On a checked chunk the self-check compares each streamed call's per-example
-            # gradients with those of its re-weighted backward: kept per call until then.
-            parts: dict[Call, tuple | None] | None = {} if check else None
+            if check:
+                # Before the backward whose records are kept: each subset's backward holds
+                # its own output gradients only until their parameters are compared, so
+                # the check never holds this chunk's records beside the retained graph.
+                self_check.run(_CheckView(self), losses, calls, streamed)
+                self._rows.checked(new_patterns)
+                self.self_checks += 1
             grads = self._streaming.output_gradients(
                 losses,
                 calls,
                 streamed,
                 b,
                 self._leaves,
-                retain=check or not self._sum_from_records,
-                parts=parts,
+                retain=not self._sum_from_records,
             )
             records, self._norms_sums.views = build_records(
                 active, live, grads, b, self._replaying_calls
             )
-            if check:
-                self_check.run(_CheckView(self), losses, calls, grads, records, parts)
-                self._rows.checked(new_patterns)
-                self.self_checks += 1
             # the records hold what is needed; the output gradients go as records are freed
-            del grads, parts
+            del grads
             if index is not None:  # one row per unit from here on (units.py)
                 records = self._regrouped(records, index)
                 # streamed modules' per-example gradients, formed already: summed per unit
@@ -1039,9 +1038,6 @@ class _CheckView:
         self.sizes_by_data = engine._rows.sizes_by_data
         self.lockstep = engine._sharding is not None
 
-    def reached(self, records: dict) -> list[str]:
-        return self._engine._norms_sums.reached(records)
-
     def parameters_of(self, uses) -> list[str]:
         mine = {id(u) for u in uses}
         return [
@@ -1054,8 +1050,17 @@ class _CheckView:
     def owners(self, name: str) -> list[Use]:
         return [u for u, _ in self._engine._groups[name]]
 
-    def weighted_sum(self, name: str, records: dict, weights: Tensor, cache: dict):
-        return self._engine._norms_sums.weighted_sum(name, records, weights, cache)
+    def records(self, calls: list, grads: list, b: int) -> dict:
+        uses = list(dict.fromkeys(u for u, _ in calls))
+        live = {u: [c for v, c in calls if v is u] for u in uses}
+        order = {id(c): g for (_, c), g in zip(calls, grads, strict=True)}
+        ordered = tuple(order[id(c)] for u in uses for c in live[u])
+        records, views = build_records(uses, live, ordered, b, self._engine._replaying_calls)
+        self._engine._norms_sums.views.update(views)
+        return records
+
+    def weighted_sum(self, name: str, records: dict, weights: Tensor, cache: dict, formed=()):
+        return self._engine._norms_sums.weighted_sum(name, records, weights, cache, formed)
 
     def accumulation_bound(self, name: str, records: dict, weights: Tensor):
         return self._engine._norms_sums.accumulation_bound(name, records, weights)

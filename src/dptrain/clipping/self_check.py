@@ -66,42 +66,39 @@ SUM_TOLERANCE = {
 }
 
 
-def run(engine: Sums, losses: Tensor, calls, grads, records, parts) -> None:
+def run(engine: Sums, losses: Tensor, calls, streamed) -> None:
     """Raise :class:`~dptrain.clipping.UnsupportedModelError` if the chunk fails the check.
 
-    ``calls``: every recorded (use, call) the losses depend on; ``grads``: their output
-    gradients, None for a streamed call, whose per-example gradients were formed during
-    the backward and its g dropped (``parts[call]``: (those gradients, g's dtype, g's
-    device), or None where g was None).
+    ``calls``: every recorded (use, call) the losses depend on; ``streamed``: the uses
+    whose per-example gradients the chunk's backward forms as it goes (their sums are
+    compared as formed from per-example gradients, as the step forms them). Runs before
+    that backward: each subset's backward captures the output gradients it reaches and
+    lets them go once their parameters are compared, so the check never holds a chunk's
+    records (a gradient per recorded call) beside the graph it retains.
     """
     b = losses.shape[0]
-    g_dtypes = [
-        parts[call][1] if parts.get(call) else (g.dtype if g is not None else None)
-        for (_, call), g in zip(calls, grads, strict=True)
-    ]
-    low = any(d in (torch.bfloat16, torch.float16) for d in g_dtypes)
-    dtype = _record_dtype(
-        [g for _, g in records.values()]
-        + [t for part in parts.values() if part for t in part[0].values()]
+    names = engine.parameters_of({id(u): u for u, _ in calls}.values())
+    dtype = (
+        torch.float64
+        if any(engine.parameter(n).dtype == torch.float64 for n in names)
+        else torch.float32
     )
+    masks = separating_masks(b).to(losses.device)
+    gaps, g_dtypes = [], set()
+    for mask in masks:
+        gaps.append(
+            _subset_backward(
+                engine, losses, calls, mask, names, retain=True, compare=(streamed, dtype, g_dtypes)
+            )
+        )
+        # its gradients are freed; returned to the OS before the next pass (heap.py)
+        release_free_memory()
+    low = any(d in (torch.bfloat16, torch.float16) for d in g_dtypes)
     # float32 on a GPU with TF32 matrix products rounds as float16 does (precision.py)
     tol_dtype_of = tolerance_dtypes(engine.model)
     tol = (
         SUM_TOLERANCE[torch.bfloat16] if low else SUM_TOLERANCE[tol_dtype_of(dtype, losses.device)]
     )
-    names = engine.reached(records)
-    masks = separating_masks(b).to(losses.device)
-    gaps = []
-    for k, mask in enumerate(masks):
-        # ghost's second backward follows the last subset: the graph stays for it
-        retain = k < len(masks) - 1 or not engine.sums_from_records
-        gaps.append(
-            _subset_backward(
-                engine, losses, calls, mask, names, retain=retain, records=records, dtype=dtype
-            )
-        )
-        # its gradients are freed; returned to the OS before the next pass (heap.py)
-        release_free_memory()
     _check_sums(engine, names, gaps, tol, losses.device)
 
 
@@ -159,17 +156,23 @@ def frontier(losses: Tensor, nodes: list, structural: set[int]) -> list:
 
 
 def _subset_backward(
-    engine: Sums, losses, calls, mask: Tensor, names, *, retain: bool, records=None, dtype=None
+    engine: Sums, losses, calls, mask: Tensor, names, *, retain: bool, compare=None
 ) -> dict[str, tuple[float, float, float]]:
     """One backward of sum_{i in mask} L_i: the rows test on every call as its output
-    gradient arrives; with ``records``, each parameter's rules' masked sum against
-    autograd's, as (max |mine - auto|, max |auto|, max |mine|) by name."""
+    gradient arrives; with ``compare`` = (streamed uses, dtype of the weights, a set
+    that collects the output gradients' dtypes), also each parameter's rules' masked sum
+    against autograd's, as (max |mine - auto|, max |auto|, max |mine|) by name.
+
+    The output gradients are captured as they arrive and read when their parameters'
+    gradients are complete (a parameter's gradient is accumulated after every output
+    that carries it); a call's goes once every parameter of its module is compared."""
     b = losses.shape[0]
     edges = [call.edge for _, call in calls]
     by_node: dict[int, list[int]] = {}
     for k, edge in enumerate(edges):
         by_node.setdefault(id(edge.node), []).append(k)
     failures: list[tuple[int, int, float]] = []  # (call, example, relative size)
+    captured: dict[int, Tensor] = {}  # call -> its output gradient, examples first
 
     def rows_hook(node):
         def hook(grad_outputs):
@@ -180,19 +183,43 @@ def _subset_backward(
                 found = _outside_rows(g, mask, b)
                 if found is not None:
                     failures.append((k, *found))
+                if compare is not None and g is not None:
+                    captured[k] = g
+                    compare[2].add(g.dtype)
 
         return hook
 
     params = {id(engine.parameter(n)): n for n in names}
     seen: dict[str, tuple[float, float, float]] = {}
     sums: dict = {}
-    weights = None if records is None else mask.to(dtype)
+    if compare is not None:
+        streamed, dtype, _ = compare
+        weights = mask.to(dtype)
+        owners = {n: {id(u) for u in engine.owners(n)} for n in names}
+        calls_of = {n: [k for k, (u, _) in enumerate(calls) if id(u) in owners[n]] for n in names}
+        pending = {id(u): 0 for u, _ in calls}  # names left to compare, per module
+        for n in names:
+            for u in owners[n]:
+                if u in pending:
+                    pending[u] += 1
+
+    def compared(name: str, auto: Tensor | None, gaps_of=_gaps) -> None:
+        ks = calls_of[name]
+        records = engine.records([calls[k] for k in ks], [captured.get(k) for k in ks], b)
+        mine = engine.weighted_sum(name, records, weights, sums, streamed)
+        seen[name] = gaps_of(mine, auto, engine.accumulation_bound(name, records, weights))
+        del records, mine
+        for u in owners[name]:  # a module compared in full: its output gradients go
+            if u in pending:
+                pending[u] -= 1
+                if pending[u] == 0:
+                    for k in ks:
+                        if id(calls[k][0]) == u:
+                            captured.pop(k, None)
 
     def param_hook(p):
-        name = params[id(p)]
-        if records is not None:
-            mine = engine.weighted_sum(name, records, weights, sums)
-            seen[name] = _gaps(mine, p.grad, engine.accumulation_bound(name, records, weights))
+        if compare is not None:
+            compared(params[id(p)], p.grad)
         p.grad = None  # autograd's gradient is not kept; the engine's is restored below
 
     if not names:  # nothing recorded reaches a clipped parameter
@@ -226,10 +253,10 @@ def _subset_backward(
             f"include {i} (relative size {size:.2e}; any amount is a leak). Clipping them would "
             "not bound one example's influence. " + _row_causes(call, b)
         )
-    if records is not None:  # parameters autograd gave no gradient: compared with zero
+    if compare is not None:  # parameters autograd gave no gradient: compared with zero
         for name in names:
             if name not in seen:
-                seen[name] = _gaps(engine.weighted_sum(name, records, weights, sums), None)
+                compared(name, None, lambda mine, auto, _bound: _gaps(mine, auto))
     return seen
 
 
@@ -367,8 +394,3 @@ def _describe(call, b: int) -> str:
     if call.expanded_to is not None:
         return f"output (a shared table expanded to {tuple(call.out_shape)})"
     return f"input {call.a_shape} / output {tuple(call.out_shape)} ({b} examples)"
-
-
-def _record_dtype(tensors) -> torch.dtype:
-    """float64 if any of the records' tensors is, else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

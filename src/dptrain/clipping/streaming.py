@@ -148,7 +148,6 @@ class Streaming:
         leaves: list,
         *,
         retain: bool,
-        parts: dict | None,
     ) -> tuple:
         """One backward of sum_i L_i: each call's output gradient g, examples first, or None
         for the calls of ``streamed`` modules.
@@ -166,9 +165,6 @@ class Streaming:
         their summed gradients to any hook on them, and keeping those small gradients
         while a retained graph holds every activation fragments the heap: +280 MB
         resident for SmolLM2 LoRA on the checked chunk, with glibc.)
-        ``parts``: a dict on a checked chunk, which then gets each streamed call's
-        (per-example gradients, g's dtype, g's device), or None where g was None (for
-        the self-check's completeness test and tolerances, self_check.py).
         """
         wanted = [c.edge for u, c in calls if u not in streamed]
         if streamed:
@@ -188,7 +184,7 @@ class Streaming:
             def hook(grad_outputs):
                 for u, c in node_calls:
                     fired.add(c)
-                    self._stream(u, c, grad_outputs[c.edge.output_nr], b, parts, slots)
+                    self._stream(u, c, grad_outputs[c.edge.output_nr], b, slots)
 
             return hook
 
@@ -211,12 +207,10 @@ class Streaming:
         grads = tuple(None if u in streamed else next(got) for u, _ in calls)
         return examples_first([c for _, c in calls], grads)
 
-    def _stream(self, use: Use, call: Call, g: Tensor | None, b: int, parts, slots) -> None:
+    def _stream(self, use: Use, call: Call, g: Tensor | None, b: int, slots) -> None:
         """Form ``call``'s per-example gradients from (a, g) and add them to the module's
         (in ``slots``, one buffer for all streamed modules)."""
         if g is None:  # this call did not reach the loss
-            if parts is not None:
-                parts[call] = None
             return
         a, rows = for_rule(use.rule, *example_rows(use, call.a, g, b))
         per_example = self._per_example()
@@ -227,15 +221,9 @@ class Streaming:
             grads = per_example[use] = slots.hold(use, grads)
             if isinstance(per_example, PerExampleGrads):
                 per_example.slots = slots
-        elif parts is None:
-            grads = use.rule.per_example(use.module, a, rows)
-            for k, v in grads.items():
+        else:
+            for k, v in use.rule.per_example(use.module, a, rows).items():
                 acc[k].add_(v)
-        else:  # out of place: a checked call's own part stays as it was (parts)
-            grads = use.rule.per_example(use.module, a, rows)
-            per_example[use] = {k: acc[k] + v for k, v in grads.items()}
-        if parts is not None:
-            parts[call] = (grads, g.dtype, g.device)
         call.a = None  # its last reader: the input goes when autograd frees it
 
 

@@ -18,7 +18,7 @@ Clip factors (flat, automatic, per layer) are the engine's; here they are given.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import Tensor
@@ -117,12 +117,6 @@ class NormsAndSums:
         """Whether ``use`` has this backward's record or its per-example gradients."""
         return use in records or use in self.per_example
 
-    def reached(self, records: Records) -> list[str]:
-        """Names of the parameters some record (or streamed module) of this backward reaches."""
-        return [
-            n for n, uses in self.groups.items() if any(self.recorded(u, records) for u, _ in uses)
-        ]
-
     # -- norms ------------------------------------------------------------------------------
 
     def norms_sq(self, records: Records, keep: bool) -> dict[str, Tensor]:
@@ -211,9 +205,13 @@ class NormsAndSums:
 
     # -- weighted sums ----------------------------------------------------------------------
 
-    def weighted_sum(self, name: str, records: Records, c: Tensor, cache: dict) -> Tensor:
+    def weighted_sum(
+        self, name: str, records: Records, c: Tensor, cache: dict, formed: Collection[Use] = ()
+    ) -> Tensor:
         """sum_i c_i grad_i of parameter ``name`` from its uses' records (``cache``: the
-        rules' whole-module sums, keyed by (use, id(c))).
+        rules' whole-module sums, keyed by (use, id(c))). ``formed``: uses whose sum is
+        taken over their per-example gradients formed from the record, as the step forms
+        a streamed module's (the self-check asks for it so).
 
         Each part of ``cache`` this parameter read is dropped from it: a rule's sum gives
         all of a module's parameters at once, and the module's other parameters still
@@ -222,7 +220,7 @@ class NormsAndSums:
         gradient, alive at the check's peak.)
         """
         present = [(u, attr) for u, attr in self.groups[name] if self.recorded(u, records)]
-        grad = self._weighted_sum_of(name, present, records, c, cache)
+        grad = self._weighted_sum_of(name, present, records, c, cache, formed)
         for u, attr in present:
             key = (u, id(c))
             parts = cache.get(key)
@@ -284,7 +282,9 @@ class NormsAndSums:
                 total = part if total is None else total + part
         return total
 
-    def _weighted_sum_of(self, name, present, records: Records, c: Tensor, sums: dict) -> Tensor:
+    def _weighted_sum_of(
+        self, name, present, records: Records, c: Tensor, sums: dict, formed: Collection[Use] = ()
+    ) -> Tensor:
         if len(self.groups[name]) > 1 and not is_tied(self.groups[name]):
             return weighted_sum({name: self._shared_per_example(present, records)}, c)[name]
         grad = None
@@ -294,10 +294,14 @@ class NormsAndSums:
             else:
                 key = (u, id(c))
                 if key not in sums:
-                    a, g = for_rule(self.rule(u), *records[u])
-                    # one rounded GEMM only where the factors absorbed this record's bound
-                    with one_gemm_sums(u in self._bounds):
-                        sums[key] = self.rule(u).clipped_sum(u.module, a, g, c)
+                    rule = self.rule(u)
+                    a, g = for_rule(rule, *records[u])
+                    if u in formed:
+                        sums[key] = weighted_sum(rule.per_example(u.module, a, g), c)
+                    else:
+                        # one rounded GEMM only where the factors absorbed this record's bound
+                        with one_gemm_sums(u in self._bounds):
+                            sums[key] = rule.clipped_sum(u.module, a, g, c)
                 part = sums[key][attr]
             if grad is None:
                 grad = part

@@ -29,11 +29,20 @@ of the masked loss sum_{i in S_k} L_i:
    dtype; every example lies in some subset, so every row is in some sum.
 
 The subsets depend on the chunk size alone: they carry no data and need no
-privacy. Each subset costs one backward (with parameter gradients, which are
-compared as autograd forms them and then dropped, so the check never holds a
-second copy of every gradient) on the chunks where a layout pattern is new, and
-the rows check alone (:func:`rows`) runs on every chunk for calls whose rows
-depend on the data (docs/engine.md, "Deciding which rows are examples").
+privacy. Each subset costs one backward on the chunks where a layout pattern is
+new, and the rows check alone (:func:`rows`) runs on every chunk for calls whose
+rows depend on the data (docs/engine.md, "Deciding which rows are examples").
+
+The check's memory is that of a non-private backward on the retained graph. It runs
+before the chunk's own backward, so none of that backward's records exist yet. In
+each subset's backward a call's output gradient is captured as it arrives, read when
+its module's parameters have their gradients (autograd accumulates a parameter's
+gradient after every output that carries it), and let go once every parameter of the
+module is compared; autograd's parameter gradients are compared as they form and
+dropped, and the rules' sums likewise (an earlier form ran after the chunk's backward
+and held all its records, a float32 copy of every gradient and the retained graph at
+once: 1.94x the non-private step's tensors at the first step of a 135M Llama, B 4,
+T 512).
 """
 
 from __future__ import annotations

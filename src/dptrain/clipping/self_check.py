@@ -212,17 +212,25 @@ def _subset_backward(
                 if u in pending:
                     pending[u] += 1
 
+    built: dict[int, dict] = {}  # a module's record, built once per subset (a replay is B
+    # batch-size-1 backwards), until its parameters are compared
+
     def compared(name: str, auto: Tensor | None, gaps_of=_gaps) -> None:
-        ks = calls_of[name]
-        records = engine.records([calls[k] for k in ks], [captured.get(k) for k in ks], b)
+        records = {}
+        for u in owners[name]:
+            if u not in built:
+                ks = [k for k in calls_of[name] if id(calls[k][0]) == u]
+                built[u] = engine.records([calls[k] for k in ks], [captured.get(k) for k in ks], b)
+            records.update(built[u])
         mine = engine.weighted_sum(name, records, weights, sums, streamed)
         seen[name] = gaps_of(mine, auto, engine.accumulation_bound(name, records, weights))
         del records, mine
-        for u in owners[name]:  # a module compared in full: its output gradients go
+        for u in owners[name]:  # a module compared in full: its record and gradients go
             if u in pending:
                 pending[u] -= 1
                 if pending[u] == 0:
-                    for k in ks:
+                    built.pop(u, None)
+                    for k in calls_of[name]:
                         if id(calls[k][0]) == u:
                             captured.pop(k, None)
 

@@ -76,7 +76,7 @@ say "## CUDA tests (limit ${TESTS_S}s)"
 say ""
 timeout -k 5 "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
     tests/clipping/test_cuda.py tests/clipping/test_tensor_cores.py tests/test_generators.py \
-    tests/clipping/test_long_sequences.py \
+    tests/clipping/test_long_sequences.py tests/clipping/test_streaming.py \
     tests/test_supported.py tests/distributed/test_fsdp.py tests/hf/test_accelerate_fsdp.py \
     "tests/hf/test_devices.py" -k "cuda or test_supported or test_generators" \
     -rs 2>&1 | tee "$WORK/tests.log" | tail -n 25

@@ -448,3 +448,25 @@ def test_bf16_streamed_linear_layers_are_kept_in_bf16_and_move_the_sum_by_at_mos
         assert err < 2**-7, name
         if name.endswith(("k_proj.weight", "v_proj.weight")):
             assert err > 0, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_forms_a_bf16_slot_in_place():
+    """On CUDA a linear layer's per-example gradients on a bf16 record are one bf16 bmm
+    into their strided slot of the buffer (nothing else written), within bf16's rounding
+    of the exact products' sums."""
+    from dptrain.clipping.rules import LinearRule
+
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(64, 32, bias=False).cuda().bfloat16()
+    a = torch.randn(3, 50, 64, generator=gen).bfloat16()
+    g = torch.randn(3, 50, 32, generator=gen).bfloat16()
+    buffer = torch.zeros(3, 10 + 32 * 64, dtype=torch.bfloat16, device="cuda")
+    slot = buffer[:, 10:].view(3, 32, 64)
+    got = LinearRule().per_example_into(lin, a.cuda(), g.cuda(), {"weight": slot})
+    assert got["weight"] is slot
+    assert not buffer[:, :10].any()
+    exact = torch.einsum("btp,btd->bpd", g.double(), a.double())
+    scale = torch.einsum("btp,btd->bpd", g.double().abs(), a.double().abs())
+    # one rounding to bf16 (2^-8 relative) after float32 accumulation (50 terms)
+    assert ((slot.cpu().double() - exact).abs() <= 2**-8 * exact.abs() + 1e-4 * scale).all()

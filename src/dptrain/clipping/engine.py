@@ -270,6 +270,10 @@ class ClippingEngine:
             if use in self._streaming.streamable:
                 tap = self._streaming.tap(use, self._recording)
                 self._handles.append(use.module.register_forward_pre_hook(tap, with_kwargs=True))
+            if _casts_as_linear(use):  # after the tap: it may tie the input to the anchor
+                self._handles.append(
+                    use.module.register_forward_pre_hook(self._shared_cast, with_kwargs=True)
+                )
             self._handles.append(
                 use.module.register_forward_hook(self._make_hook(use), with_kwargs=True)
             )
@@ -462,6 +466,19 @@ class ClippingEngine:
             return None
 
         return check
+
+    def _shared_cast(self, module, args, kwargs):
+        """Hand a linear layer under autocast the shared bf16 copy of its float32 input
+        (records.AutocastCopies.shared), which its product then saves and its record reads,
+        instead of a cast of its own."""
+        if not args or not isinstance(args[0], Tensor) or not self._recording():
+            return None
+        x = args[0]
+        if x.dtype != torch.float32 or not torch.is_autocast_enabled(x.device.type):
+            return None
+        if torch.get_autocast_dtype(x.device.type) != torch.bfloat16:
+            return None
+        return (self._autocast_copies.shared(x), *args[1:]), kwargs
 
     def _make_hook(self, use: Use):
         def hook(module, args, kwargs, output):
@@ -1067,6 +1084,19 @@ class _CheckView:
 
     def probe(self, args: tuple, kwargs: dict) -> dict:
         return self._engine._probe_inputs(args, kwargs)
+
+
+def _casts_as_linear(use: Use) -> bool:
+    """Whether the module is a plain ``nn.Linear`` (its own forward: ``F.linear``, which
+    autocast casts to its dtype) recorded in the compute dtype: its input may be handed
+    to it already cast (ClippingEngine._shared_cast) with the same result."""
+    m = use.module
+    return (
+        type(m) is nn.Linear
+        and getattr(use.rule, "low_precision_records", False)
+        and not getattr(use.rule, "replays", False)
+        and "forward" not in vars(m)
+    )
 
 
 def _root_sum_sq(parts: Iterable[Tensor]) -> Tensor | None:

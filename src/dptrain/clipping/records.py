@@ -253,8 +253,9 @@ class AutocastCopies:
         same memory the record holds. Values and gradients are autocast's own: the copy is
         the same rounding, and each layer's gradient for ``x`` is cast to float32 on its own
         node before autograd adds them, as autocast's casts are."""
-        out = SharedCast.apply(x, self.of(x))
-        self._given[id(out)] = (out, self.of(x))
+        copy = self.of(x)
+        out = SharedCast.apply(x, copy)
+        self._given[id(out)] = (out, copy)
         return out
 
     def clear(self) -> None:

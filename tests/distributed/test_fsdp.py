@@ -252,6 +252,8 @@ def test_cuda_fsdp2_one_process_smoke():
     assert 0.99 * C <= moved <= C * (1 + 1e-5), moved
 
 
+# slow (21 s): the two-process tests above keep sharding in the default run
+@pytest.mark.slow
 def test_four_processes_equal_one(reference, monkeypatch):
     names = ("book_keeping", "noised", "outlier", "removed")
     four = _run(4, names)

@@ -300,15 +300,16 @@ class Slots:
         for key, n in sizes.items():
             by_size.setdefault((kind[key], n), []).append(key)
         self.runs: list[tuple[list[tuple[Use, str]], int]] = []
-        self._run_kinds: list[torch.dtype | None] = []
+        # per storage dtype, its buffer's runs (indices into runs) in the buffer's order
+        self._runs_of: dict[torch.dtype | None, list[int]] = {}
         for dtype in dict.fromkeys(kind.values()):
             for (k, n), keys in by_size.items():
                 if k != dtype:
                     continue
                 per_run = max(1, _NORM_RUN // max(1, b * n))
                 for i in range(0, len(keys), per_run):
+                    self._runs_of.setdefault(dtype, []).append(len(self.runs))
                     self.runs.append((keys[i : i + per_run], n))
-                    self._run_kinds.append(dtype)
         self.slots: dict[tuple[Use, str], int] = {  # columns, in the buffers' order
             key: n for keys, n in self.runs for key in keys
         }
@@ -317,7 +318,7 @@ class Slots:
         self.blocks: dict[tuple[Use, str], Tensor] = {}
         self._run_views: list[Tensor | None] = [None] * len(self.runs)  # (b, n, size)
         # the view of its slot handed out per (use, name): whether a per-example gradient
-        # still lives in the buffer (a checked chunk replaces it out of place)
+        # lives in the buffer (hold() gives one that does not fit its slot a copy of its own)
         self.views: dict[tuple[Use, str], Tensor] = {}
         # the slot views offered to a rule to form its gradients in (destinations)
         self.offered: dict[tuple[Use, str], Tensor] = {}
@@ -363,7 +364,7 @@ class Slots:
         return out
 
     def _allocate(self, dtype: torch.dtype | None, like: Tensor) -> None:
-        mine = [i for i, k in enumerate(self._run_kinds) if k == dtype]
+        mine = self._runs_of[dtype]
         widths = [len(self.runs[i][0]) * self.runs[i][1] for i in mine]
         buffer = self.buffers[dtype] = like.new_empty(
             (self.b, sum(widths)), dtype=like.dtype if dtype is None else dtype
@@ -384,12 +385,7 @@ class Slots:
         bf16 store: one product per buffer."""
         out = {}
         for dtype, buffer in self.buffers.items():
-            keys = [
-                key
-                for (run, n), k in zip(self.runs, self._run_kinds, strict=True)
-                if k == dtype
-                for key in run
-            ]
+            keys = [key for i in self._runs_of[dtype] for key in self.runs[i][0]]
             flat = _weighted_columns(buffer, factors)
             for key, piece in zip(keys, flat.split([self.slots[k] for k in keys]), strict=True):
                 if key in self.views:

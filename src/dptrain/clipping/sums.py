@@ -182,7 +182,7 @@ class NormsAndSums:
         for u, grads in self.per_example.items():
             out[u] = {}
             for k, v in grads.items():
-                held = slots.holds(u, k, v)  # else replaced out of place (a checked chunk)
+                held = slots.holds(u, k, v)  # else a copy of its own (Slots.hold)
                 out[u][k] = from_buffer[(u, k)] if held else _squared_norms({k: v})[k]
         return out
 

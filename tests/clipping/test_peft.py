@@ -122,7 +122,13 @@ def _tolerance(family: str, mode: str) -> float | None:
     return 1e-5 if mode == "ghost" and _base(family) in FLOAT32_INSIDE else None
 
 
-def _check(case: hf_zoo.ZooCase, family: str, mode: str, clipping: str = "flat") -> None:
+def _check(
+    case: hf_zoo.ZooCase,
+    family: str,
+    mode: str,
+    clipping: str = "flat",
+    norm_method: str = "auto",
+) -> None:
     """Engine vs oracle at the family's tolerance."""
     tol = _tolerance(family, mode)
     assert_engine_matches_oracle(
@@ -131,6 +137,7 @@ def _check(case: hf_zoo.ZooCase, family: str, mode: str, clipping: str = "flat")
         B,
         mode=mode,
         clipping=clipping,
+        norm_method=norm_method,
         tol=tol,
         scale_floor=1e-4 if tol else None,
     )
@@ -143,16 +150,19 @@ def _trainable(model) -> list[str]:
 # -- 1. plain LoRA --------------------------------------------------------------------------
 
 
+# "auto" instantiates (streams) the adapters at T 6 (r d <= T (r + d)); "ghost" keeps the
+# ghost norm of an adapter under the test too
+@pytest.mark.parametrize("norm_method", ["auto", "ghost"])
 @pytest.mark.parametrize(("clipping", "mode"), CLIPPINGS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_matches_the_oracle(family, mode, clipping):
+def test_lora_matches_the_oracle(family, mode, clipping, norm_method):
     case = _lora(family)
     trainable = _trainable(case.model)
     assert trainable and all(re.search(r"\.lora_[AB]\.default\.weight$", n) for n in trainable)
     engine = ClippingEngine(case.model, 1.0, mode=mode, clipping=clipping)
     assert engine.parameter_names == trainable  # every LoRA matrix, nothing else
     engine.detach()
-    _check(case, family, mode, clipping)
+    _check(case, family, mode, clipping, norm_method)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -533,9 +543,12 @@ def test_parameter_made_trainable_after_make_private_is_refused_at_the_step(how,
     ],
     ids=["llama", "llama-tied", "llama-tied-tied-copies", "llama-norms"],
 )
-def test_lora_keeps_one_record_within_c(family, overrides, mode):
+@pytest.mark.parametrize("norm_method", ["auto", "ghost"])  # auto: the adapters stream
+def test_lora_keeps_one_record_within_c(family, overrides, mode, norm_method):
     case = _lora(family, **overrides)
     # chunk sizes that coincide with the rank r and the sequence length T, and T + 1
     slack = 1e-6 if _tolerance(family, mode) else 1e-9
-    outcomes = zoo_case_outcomes(case, (B, RANK, T, T + 1), T, mode=mode, slack=slack)
+    outcomes = zoo_case_outcomes(
+        case, (B, RANK, T, T + 1), T, mode=mode, slack=slack, norm_method=norm_method
+    )
     assert outcomes == [PRIVATE] * 4

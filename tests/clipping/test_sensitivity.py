@@ -309,10 +309,13 @@ def test_batch_statistics_before_any_trainable_layer():
 # -- 7. supported models stay supported -------------------------------------------------------
 
 
+# "auto" instantiates every linear layer of this small GPT at T 6 (d_in d_out <= T (d_in +
+# d_out)); "ghost" keeps the ghost norm and the records' clipped sums under the test too.
+@pytest.mark.parametrize("norm_method", ["auto", "ghost"])
 @pytest.mark.parametrize("clipping", ["flat", "automatic", "per_layer"])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_reference_gpt_is_private(mode, tied, clipping):
+def test_reference_gpt_is_private(mode, tied, clipping, norm_method):
     from tests.clipping.test_models import gpt_case
 
     if clipping == "per_layer" and mode == "ghost":
@@ -320,6 +323,11 @@ def test_reference_gpt_is_private(mode, tied, clipping):
     for batch, seq in [(4, 6), (6, 6), (7, 6)]:  # B == T and B == T + 1 included
         model, losses_of, b = gpt_case(tied, batch=batch, seq=seq)
         result = sensitivity(
-            model, lambda lo=losses_of, b=b: lo(slice(0, b)), 1, mode=mode, clipping=clipping
+            model,
+            lambda lo=losses_of, b=b: lo(slice(0, b)),
+            1,
+            mode=mode,
+            clipping=clipping,
+            norm_method=norm_method,
         )
         assert result[0] == PRIVATE

@@ -154,9 +154,10 @@ class ClippingEngine:
             module's parameters at C_l, sum_l C_l^2 = C^2).
         mode: ``"book_keeping"`` (one backward, default) or ``"ghost"`` (second
             backward on sum_i c_i L_i).
-        norm_method: ``"auto"`` picks ghost or instantiation per linear layer
-            by the memory rule 2 T^2 < d_in d_out; ``"ghost"``/``"instantiate"``
-            force one.
+        norm_method: ``"auto"`` picks ghost or instantiation per linear layer:
+            ghost where an example's gradient is larger than its record,
+            d_in d_out > T (d_in + d_out) (``LinearRule.ghost_is_cheaper``);
+            ``"ghost"``/``"instantiate"`` force one.
         gamma: the stabiliser of automatic clipping.
         layer_max_grad_norms: per-layer thresholds {group name: C_l} for
             per-layer clipping; default C / sqrt(number of groups) each.

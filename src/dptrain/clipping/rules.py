@@ -290,9 +290,29 @@ class LinearRule(LayerRule):
     keeps_record_precision = True
 
     def ghost_is_cheaper(self, module: nn.Module, a: Tensor, g: Tensor) -> bool:
-        """Li et al. 2022 (§4): ghost norm when 2 T^2 < d_in d_out (memory per example)."""
-        t = a.shape[1]
-        return 2 * t * t < a.shape[-1] * g.shape[-1]
+        """Ghost norm where an example's gradient is larger than its record: p d > T (p + d).
+
+        Book-keeping keeps, until the clip factors are known, either a layer's record
+        (a, g) (ghost norm) or its per-example gradients (instantiation: formed as g
+        arrives, the record let go, :mod:`dptrain.clipping.streaming`). Per example,
+        instantiation holds p d entries (and d for a bias) against the record's T (p + d),
+        and costs 2 T p d FLOPs for the gradients (the product the clipped sum would take
+        anyway) and 4 p d for their norm and weighted sum, against the ghost norm's Gram
+        matrices, 2 T^2 (p + d), on top of the clipped sum's 2 T p d (twice that for an
+        exact bf16 sum, :mod:`dptrain.clipping.tensor_cores`). So where p d <= T (p + d)
+        instantiation is the cheaper in memory and in time. Elsewhere the record is the
+        smaller, and there p d > T (p + d) >= 2 T sqrt(p d) gives p d > 4 T^2: the Gram
+        matrices' 2 T^2 per example are smaller than p d as well, so Li et al. 2022's
+        memory rule (§4, ghost when 2 T^2 < p d; fastDP's) agrees. That rule alone
+        ghost-normed a 135M Llama's MLP at T 512 (p d = 885k > 2 T^2 = 524k, but
+        < T (p + d) = 1.08M): 1.6x the non-private step's GEMM FLOPs instead of 1.3x
+        (``benchmarks/cpu_proxies.py``, docs/engine_benchmark.md).
+        """
+        tokens = a[0].numel() // max(1, a.shape[-1])
+        per_example = a.shape[-1] * g.shape[-1] if _trainable(module.weight) else 0
+        if _trainable(getattr(module, "bias", None)):
+            per_example += g.shape[-1]
+        return per_example > tokens * (a.shape[-1] + g.shape[-1])
 
     def per_example(self, module, a, g):
         return self.per_example_into(module, a, g, {})

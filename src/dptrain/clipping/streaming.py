@@ -38,6 +38,13 @@ __all__ = ["PerExampleGrads", "Slots", "Streaming", "streamable_uses"]
 #: At most this many entries (b x slot size x slots) per run of equal-sized slots
 #: (Slots): the temporary of a run's squared norms, 16 MB in float32.
 _NORM_RUN = 1 << 22
+#: A buffer of streamed per-example gradients (a chunk of Slots) holds at least this many
+#: bytes: above glibc's largest mmap threshold (32 MiB on 64-bit), so that each is mapped
+#: on its own and freeing it leaves no hole in the heap.
+_CHUNK_BYTES = 32 << 20
+#: ... and a storage dtype's slots are cut into at most this many chunks: the step's peak
+#: can hold one chunk more than the backward has reached, 1/32 of the slots.
+_CHUNKS = 32
 
 
 def streamable_uses(uses: list[Use], shared: set[int]) -> set[Use]:
@@ -209,7 +216,7 @@ class Streaming:
 
     def _stream(self, use: Use, call: Call, g: Tensor | None, b: int, slots) -> None:
         """Form ``call``'s per-example gradients from (a, g) and add them to the module's
-        (in ``slots``, one buffer for all streamed modules)."""
+        (in ``slots``, the buffers of all streamed modules)."""
         if g is None:  # this call did not reach the loss
             return
         a, rows = for_rule(use.rule, *example_rows(use, call.a, g, b))
@@ -217,7 +224,7 @@ class Streaming:
         acc = per_example.get(use)
         if acc is None:
             # the module's first call of this backward: formed in its slots where the rule can
-            grads = use.rule.per_example_into(use.module, a, rows, slots.destinations(use))
+            grads = use.rule.per_example_into(use.module, a, rows, slots.destinations(use, rows))
             grads = per_example[use] = slots.hold(use, grads)
             if isinstance(per_example, PerExampleGrads):
                 per_example.slots = slots
@@ -249,27 +256,36 @@ SLOT_DEVICES: set[str] = {"cuda"}
 
 
 class Slots:
-    """One buffer for the per-example gradients of every streamed module of a backward
-    (one per storage dtype: see ``stored_as``).
+    """Buffers for the per-example gradients of every streamed module of a backward: a few
+    large tensors, each allocated as the backward reaches its first module.
 
     They are formed one module at a time while the backward runs and kept until its
     end. As separate tensors, these hundreds of small allocations, made while a retained
     graph (the checked chunk) holds every activation, land above each layer's freed
     temporaries and pin them: glibc's heap then grew by about 260 MB over SmolLM2 LoRA's
     30 layers (resident memory that is never returned), against none with one buffer.
-    It is allocated at the first module's gradients, after the loss's own backward (the
-    step's peak) has passed; each module's are copied into their slot, so nothing keeps
+    One buffer for all of them, allocated at the first module's gradients, has the
+    opposite fault where the slots are large: the backward's first modules are the last
+    layer's, so the whole buffer joins every activation still held (at B 4, T 512, the
+    810 MB of a 135M Llama's instantiated linear layers raised the step's peak from
+    1.07x to 1.29x the non-private one, ``benchmarks/step_peaks.py``). So the slots are
+    laid out in the order the backward fills them (the reverse of the forward's) and
+    cut into consecutive **chunks** of at least :data:`_CHUNK_BYTES` (and at most
+    :data:`_CHUNKS` of them per storage dtype), each one buffer allocated when its first
+    slot is filled: the buffers grow as the backward frees the activations, and each is
+    large enough to be mapped on its own rather than carved from the heap. Each module's
+    are copied into their slot (or formed in it, :meth:`destinations`), so nothing keeps
     a temporary (or a view of g) alive.
 
-    The buffer is (b, total): example i's gradients of every streamed parameter side by
-    side in row i, a parameter's slot a block of columns. The weighted sums of all slots
-    are then one matrix-vector product, and their squared norms one reduction per run of
-    equal-sized slots (:meth:`weighted_sums`, :meth:`squared_norms`), where per parameter
-    each took 3-4 aten ops (hundreds of launches a step for LoRA).
+    A buffer is (b, width): example i's gradients of its streamed parameters side by
+    side in row i, a parameter's slot a block of columns. The weighted sums of a buffer's
+    slots are then one matrix-vector product, and their squared norms one reduction per
+    run of equal-sized slots (:meth:`weighted_sums`, :meth:`squared_norms`), where per
+    parameter each took 3-4 aten ops (hundreds of launches a step for LoRA).
 
     ``stored_as``: modules whose per-example gradients are kept in bf16 (a linear layer
     on bf16 records: its gradient is a product of two bf16 operands, which autograd
-    itself returns in bf16), in a second buffer. Half the bytes of float32: at B 16,
+    itself returns in bf16), in buffers of their own. Half the bytes of float32: at B 16,
     T 512 a 135M Llama's streamed attention projections hold 1.7 GB in float32. Their
     norms and weighted sums read the stored bf16 values (the norm is of what is summed,
     so one example still moves the sum by at most C); the sums' factors are rounded
@@ -284,56 +300,82 @@ class Slots:
         # each slot's per-example shape, for a rule to form its gradients in (destinations)
         self.shapes: dict[tuple[Use, str], tuple[int, ...]] = {}
         kind: dict[tuple[Use, str], torch.dtype | None] = {}  # None: as the rule forms them
-        for use in uses:
+        for use in reversed(uses):  # ``uses`` in forward order; the backward fills the last first
             for name in use.rule.param_names:
                 p = _param(use.module, name)
                 if _trainable(p):
                     sizes[(use, name)] = p.numel()
                     self.shapes[(use, name)] = (b, *p.shape)
                     kind[(use, name)] = stored_as.get(use)
-        # Equal-sized slots side by side, in runs of at most _NORM_RUN entries: a run's
-        # squared norms are one reduction over its (b, n, size) view, where a pow and a
-        # sum per slot made 50 of the 1,550 aten ops of a Llama step (full fine-tuning,
-        # docs/engine_benchmark.md). The run bounds that reduction's temporary. Each
-        # storage dtype's runs make one buffer.
-        by_size: dict[tuple[torch.dtype | None, int], list[tuple[Use, str]]] = {}
-        for key, n in sizes.items():
-            by_size.setdefault((kind[key], n), []).append(key)
         self.runs: list[tuple[list[tuple[Use, str]], int]] = []
-        # per storage dtype, its buffer's runs (indices into runs) in the buffer's order
-        self._runs_of: dict[torch.dtype | None, list[int]] = {}
+        # per chunk: its storage dtype (None: the first gradient's) and its runs (indices
+        # into runs) in the buffer's column order
+        self._chunks: list[tuple[torch.dtype | None, list[int]]] = []
         for dtype in dict.fromkeys(kind.values()):
-            for (k, n), keys in by_size.items():
-                if k != dtype:
-                    continue
-                per_run = max(1, _NORM_RUN // max(1, b * n))
-                for i in range(0, len(keys), per_run):
-                    self._runs_of.setdefault(dtype, []).append(len(self.runs))
-                    self.runs.append((keys[i : i + per_run], n))
-        self.slots: dict[tuple[Use, str], int] = {  # columns, in the buffers' order
+            keys = [key for key in sizes if kind[key] == dtype]
+            item = 2 if dtype in LOW_PRECISION else 4  # a rule's own dtype: float32 at most
+            limit = max(_CHUNK_BYTES, -(-b * item * sum(sizes[k] for k in keys) // _CHUNKS))
+            chunk: list[tuple[Use, str]] = []
+            for key in keys:
+                chunk.append(key)
+                if b * item * sum(sizes[k] for k in chunk) >= limit:
+                    self._add_chunk(dtype, chunk, sizes)
+                    chunk = []
+            if chunk:
+                self._add_chunk(dtype, chunk, sizes)
+        self.slots: dict[tuple[Use, str], int] = {  # columns
             key: n for keys, n in self.runs for key in keys
         }
-        self._kind = kind
-        self.buffers: dict[torch.dtype | None, Tensor] = {}
+        self._chunk_of = {
+            key: i
+            for i, (_, runs) in enumerate(self._chunks)
+            for r in runs
+            for key in self.runs[r][0]
+        }
+        self.buffers: list[Tensor | None] = [None] * len(self._chunks)  # allocated when reached
         self.blocks: dict[tuple[Use, str], Tensor] = {}
         self._run_views: list[Tensor | None] = [None] * len(self.runs)  # (b, n, size)
         # the view of its slot handed out per (use, name): whether a per-example gradient
-        # lives in the buffer (hold() gives one that does not fit its slot a copy of its own)
+        # lives in a buffer (hold() gives one that does not fit its slot a copy of its own)
         self.views: dict[tuple[Use, str], Tensor] = {}
         # the slot views offered to a rule to form its gradients in (destinations)
         self.offered: dict[tuple[Use, str], Tensor] = {}
 
-    def destinations(self, use: Use) -> dict[str, Tensor]:
+    def _add_chunk(self, dtype, keys: list[tuple[Use, str]], sizes: dict) -> None:
+        # Equal-sized slots side by side, in runs of at most _NORM_RUN entries: a run's
+        # squared norms are one reduction over its (b, n, size) view, where a pow and a
+        # sum per slot made 50 of the 1,550 aten ops of a Llama step (full fine-tuning,
+        # docs/engine_benchmark.md). The run bounds that reduction's temporary.
+        by_size: dict[int, list[tuple[Use, str]]] = {}
+        for key in keys:
+            by_size.setdefault(sizes[key], []).append(key)
+        runs = []
+        for n, same in by_size.items():
+            per_run = max(1, _NORM_RUN // max(1, self.b * n))
+            for i in range(0, len(same), per_run):
+                runs.append(len(self.runs))
+                self.runs.append((same[i : i + per_run], n))
+        self._chunks.append((dtype, runs))
+
+    def destinations(self, use: Use, like: Tensor) -> dict[str, Tensor]:
         """{name: ``use``'s slot, shaped (b, *param.shape)} for a rule to form its
-        per-example gradients in (``LayerRule.per_example_into``); empty until its
-        buffer exists (the first streamed module's are copied: a buffer's device, and
-        its dtype where ``stored_as`` leaves it open, are theirs) and off
-        :data:`SLOT_DEVICES`."""
+        per-example gradients in (``LayerRule.per_example_into``), on :data:`SLOT_DEVICES`.
+        A bf16 slot's buffer is allocated here, on ``like``'s device (the record's); one
+        whose dtype ``stored_as`` left open waits for its first gradient, which is copied
+        (the buffer's dtype and device are then that gradient's)."""
+        if like.device.type not in SLOT_DEVICES:
+            return {}
         out = {}
         for name in use.rule.param_names:
-            block = self.blocks.get((use, name))
-            if block is not None and block.device.type in SLOT_DEVICES:
-                out[name] = self.offered[(use, name)] = block.view(self.shapes[(use, name)])
+            key = (use, name)
+            i = self._chunk_of.get(key)
+            if i is None:
+                continue
+            if self.buffers[i] is None and self._chunks[i][0] is not None:
+                self._allocate(i, like)
+            block = self.blocks.get(key)
+            if block is not None and block.device == like.device:
+                out[name] = self.offered[key] = block.view(self.shapes[key])
         return out
 
     def hold(self, use: Use, grads: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -346,14 +388,13 @@ class Slots:
             if v is self.offered.pop(key, None):
                 out[name] = self.views[key] = v
                 continue
-            n = self.slots.get(key, -1)
-            if n * self.b != v.numel():
+            i = self._chunk_of.get(key)
+            if i is None or self.slots[key] * self.b != v.numel():
                 out[name] = v.clone()
                 continue
-            dtype = self._kind[key]
-            if dtype not in self.buffers:
-                self._allocate(dtype, v)
-            buffer = self.buffers[dtype]
+            if self.buffers[i] is None:
+                self._allocate(i, v)
+            buffer, dtype = self.buffers[i], self._chunks[i][0]
             if v.device != buffer.device or (dtype is None and v.dtype != buffer.dtype):
                 out[name] = v.clone()
                 continue
@@ -363,17 +404,17 @@ class Slots:
             self.views[key] = out[name]
         return out
 
-    def _allocate(self, dtype: torch.dtype | None, like: Tensor) -> None:
-        mine = self._runs_of[dtype]
-        widths = [len(self.runs[i][0]) * self.runs[i][1] for i in mine]
-        buffer = self.buffers[dtype] = like.new_empty(
+    def _allocate(self, i: int, like: Tensor) -> None:
+        dtype, mine = self._chunks[i]
+        widths = [len(self.runs[r][0]) * self.runs[r][1] for r in mine]
+        buffer = self.buffers[i] = like.new_empty(
             (self.b, sum(widths)), dtype=like.dtype if dtype is None else dtype
         )
         # every slot's columns, (b, size) each: one split into runs and one unbind per
         # run, not a slice per slot
-        for i, piece in zip(mine, buffer.split(widths, 1), strict=True):
-            keys, n = self.runs[i]
-            self._run_views[i] = view = piece.view(self.b, len(keys), n)
+        for r, piece in zip(mine, buffer.split(widths, 1), strict=True):
+            keys, n = self.runs[r]
+            self._run_views[r] = view = piece.view(self.b, len(keys), n)
             self.blocks.update(zip(keys, view.unbind(1), strict=True))
 
     def holds(self, use: Use, name: str, v: Tensor) -> bool:
@@ -382,11 +423,17 @@ class Slots:
 
     def weighted_sums(self, factors: Tensor) -> dict[tuple[Use, str], Tensor]:
         """{(use, name): sum_i factors[i] * grad_i} of every filled slot, in float32 for a
-        bf16 store: one product per buffer."""
+        bf16 store: one product per buffer (the factors rounded down once for them all)."""
         out = {}
-        for dtype, buffer in self.buffers.items():
-            keys = [key for i in self._runs_of[dtype] for key in self.runs[i][0]]
-            flat = _weighted_columns(buffer, factors)
+        rounded: dict[tuple, Tensor] = {}
+        for buffer, (_, runs) in zip(self.buffers, self._chunks, strict=True):
+            if buffer is None:
+                continue
+            keys = [key for r in runs for key in self.runs[r][0]]
+            at = (buffer.dtype, buffer.device)
+            if at not in rounded:
+                rounded[at] = _column_factors(factors, buffer)
+            flat = _weighted_columns(buffer, rounded[at])
             for key, piece in zip(keys, flat.split([self.slots[k] for k in keys]), strict=True):
                 if key in self.views:
                     shape = self.views[key].shape[1:]
@@ -411,17 +458,25 @@ class Slots:
         return out
 
 
-def _weighted_columns(buffer: Tensor, factors: Tensor) -> Tensor:
-    """sum_i factors[i] * buffer[i] over the rows of a (b, n) buffer, as an (n,) vector.
-
-    A bf16 buffer is summed with its factors rounded down to 8 significant bits
-    (``round_down_bf16``: c' <= c, an example's contribution only shrinks), so that each
-    product is exact in float32 and the sum float32 (tensor cores on CUDA); off CUDA in
-    column blocks, whose upcasts are transient (a float32 copy of the whole buffer would
-    be its size twice over)."""
+def _column_factors(factors: Tensor, buffer: Tensor) -> Tensor:
+    """The factors a buffer's rows are summed with (:func:`_weighted_columns`), (1, b):
+    for a bf16 buffer rounded down to 8 significant bits (``round_down_bf16``: c' <= c, an
+    example's contribution only shrinks), so that each product is exact in float32."""
     if buffer.dtype not in LOW_PRECISION:
-        return torch.mv(buffer.T, factors.to(buffer.dtype))
-    c = round_down_bf16(factors).to(buffer.dtype)[None]
+        return factors.to(buffer.device, buffer.dtype)[None]
+    return round_down_bf16(factors).to(buffer.device, buffer.dtype)[None]
+
+
+def _weighted_columns(buffer: Tensor, c: Tensor) -> Tensor:
+    """sum_i c[0, i] * buffer[i] over the rows of a (b, n) buffer, as an (n,) vector, with
+    ``c`` from :func:`_column_factors`.
+
+    A bf16 buffer's products are exact in float32 (its factors have 8 significant bits)
+    and summed in float32 (tensor cores on CUDA); off CUDA in column blocks, whose
+    upcasts are transient (a float32 copy of the whole buffer would be its size twice
+    over)."""
+    if buffer.dtype not in LOW_PRECISION:
+        return torch.mv(buffer.T, c[0])
     if tensor_cores(c, buffer):
         return mm_f32(c, buffer)[0]
     out = torch.empty(buffer.shape[1], dtype=torch.float32, device=buffer.device)

@@ -17,6 +17,8 @@ CUDA, the default) and with ``sum_rounding="bounded"`` (one), it reports, each a
   CPU needs, with the ops of split clipped sums); ghost norms form whole Gram matrices
   in these counts, as on CUDA (``rules.HALF_GRAM_DEVICES``), not the CPU's 2 x 2 blocks,
   and streamed per-example gradients are formed in their slots (``streaming.SLOT_DEVICES``);
+  every figure, the peaks included, has the linear layers ghost-normed or instantiated as
+  CUDA chooses (``rules.SIZE_RULE_DEVICES``);
 - matrix-product FLOPs per step;
 - peak resident memory of a fresh process running 2 steps (the first, with the
   engine's full check, included), and the increment of a third, steady step alone.
@@ -105,10 +107,19 @@ def _losses(model, ids: torch.Tensor) -> torch.Tensor:
     ).mean(1)
 
 
+def _cuda_layer_choice() -> None:
+    """Ghost norm or instantiation per linear layer as CUDA decides it (``rules.SIZE_RULE_DEVICES``):
+    the layers a step instantiates set its products, launches and what it holds."""
+    from dptrain.clipping import rules
+
+    rules.SIZE_RULE_DEVICES.add("cpu")
+
+
 def stepper(method: str, lora: bool, b: int, t: int):
     """One step (forward, per-example losses, backward) of ``method`` on the proxy model, as a closure."""
     from dptrain.clipping import ClippingEngine
 
+    _cuda_layer_choice()
     model = _model(lora)
     ids = torch.randint(0, 8192, (b, t), generator=torch.Generator().manual_seed(0))
     # dptrain-bk-bounded: clipped sums of bf16 records as one GEMM (sum_rounding="bounded")
@@ -172,6 +183,7 @@ def _margin(lora: bool, b: int, t: int) -> tuple[float, float]:
     against ||g_i||: docs/engine.md, "Precision")."""
     from dptrain.clipping import ClippingEngine
 
+    _cuda_layer_choice()
     model = _model(lora)
     ids = torch.randint(0, 8192, (b, t), generator=torch.Generator().manual_seed(0))
     factors = {}

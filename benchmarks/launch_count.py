@@ -14,7 +14,8 @@ norm or instantiation), so a CPU counts it at B 1 in seconds:
   both);
 - AdamW runs with ``foreach=True``, as it does by default on CUDA (not on a CPU);
 - ghost norms form whole Gram matrices, as on CUDA (``rules.HALF_GRAM_DEVICES``), and
-  streamed per-example gradients are formed in their slots (``streaming.SLOT_DEVICES``);
+  streamed per-example gradients are formed in their slots (``streaming.SLOT_DEVICES``),
+  and linear layers are ghost-normed or instantiated as on CUDA (``rules.SIZE_RULE_DEVICES``);
 - the step is the bench's (``dptrain.bench.workloads.build_step``): forward, loss,
   backward with clipping, noise, AdamW; the third step is counted (the first runs the
   engine's checks).
@@ -66,6 +67,7 @@ def _child(workload: str, method: str, b: int, t: int) -> None:
 
     rules.HALF_GRAM_DEVICES.clear()  # whole Gram matrices, as on CUDA
     streaming.SLOT_DEVICES.add("cpu")  # per-example gradients formed in their slots, as on CUDA
+    rules.SIZE_RULE_DEVICES.add("cpu")  # ghost or instantiation per layer, as on CUDA
 
     torch.set_num_threads(2)
     w = dataclasses.replace(WORKLOADS[workload], batch_size=b, seq_len=t)

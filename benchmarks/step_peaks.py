@@ -1,6 +1,7 @@
 """Tensor memory of the first three steps of a bench workload at a chosen batch, counted on
 a CPU as the CUDA allocator would count it (issue 27, memory; the counter is
-``tensor_peak.LiveTensors``): non-private against dptrain's book-keeping, and which
+``tensor_peak.LiveTensors``): non-private against dptrain's book-keeping, its linear
+layers ghost-normed or instantiated as on CUDA (``rules.SIZE_RULE_DEVICES``), and which
 tensors, by the operator that made them, make the difference at each step's peak. The
 first step runs the engine's checks; weights and AdamW state made before a step are not
 in its count.
@@ -28,8 +29,10 @@ from tensor_peak import LiveTensors, largest_differences
 
 def _child(name: str, method: str, b: int, t: int) -> None:
     from dptrain.bench.workloads import WORKLOADS, build_step
+    from dptrain.clipping import rules
 
     torch.set_num_threads(2)
+    rules.SIZE_RULE_DEVICES.add("cpu")  # ghost or instantiation per layer, as on CUDA
     step = build_step(dataclasses.replace(WORKLOADS[name], seq_len=t, batch_size=b), method).step
     out = []
     for _ in range(3):

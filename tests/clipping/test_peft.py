@@ -45,6 +45,7 @@ from dptrain.clipping import (
     oracle_clipped_sum,
     oracle_norms,
     oracle_per_example_grads,
+    rules,
 )
 from dptrain.clipping.state import StateWatch
 from tests.clipping import hf_zoo
@@ -122,13 +123,7 @@ def _tolerance(family: str, mode: str) -> float | None:
     return 1e-5 if mode == "ghost" and _base(family) in FLOAT32_INSIDE else None
 
 
-def _check(
-    case: hf_zoo.ZooCase,
-    family: str,
-    mode: str,
-    clipping: str = "flat",
-    norm_method: str = "auto",
-) -> None:
+def _check(case: hf_zoo.ZooCase, family: str, mode: str, clipping: str = "flat") -> None:
     """Engine vs oracle at the family's tolerance."""
     tol = _tolerance(family, mode)
     assert_engine_matches_oracle(
@@ -137,7 +132,6 @@ def _check(
         B,
         mode=mode,
         clipping=clipping,
-        norm_method=norm_method,
         tol=tol,
         scale_floor=1e-4 if tol else None,
     )
@@ -150,19 +144,20 @@ def _trainable(model) -> list[str]:
 # -- 1. plain LoRA --------------------------------------------------------------------------
 
 
-# "auto" instantiates (streams) the adapters at T 6 (r d <= T (r + d)); "ghost" keeps the
-# ghost norm of an adapter under the test too
-@pytest.mark.parametrize("norm_method", ["auto", "ghost"])
+# The adapters as a CPU and as CUDA choose them: CUDA instantiates (streams) them at T 6
+# (r d <= T (r + d)), the CPU ghost-norms them (2 T^2 < r d)
+@pytest.mark.parametrize("chosen_as_on", ["cpu", "cuda"])
 @pytest.mark.parametrize(("clipping", "mode"), CLIPPINGS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_matches_the_oracle(family, mode, clipping, norm_method):
+def test_lora_matches_the_oracle(family, mode, clipping, chosen_as_on, monkeypatch):
+    monkeypatch.setattr(rules, "SIZE_RULE_DEVICES", {"cuda", chosen_as_on})
     case = _lora(family)
     trainable = _trainable(case.model)
     assert trainable and all(re.search(r"\.lora_[AB]\.default\.weight$", n) for n in trainable)
     engine = ClippingEngine(case.model, 1.0, mode=mode, clipping=clipping)
     assert engine.parameter_names == trainable  # every LoRA matrix, nothing else
     engine.detach()
-    _check(case, family, mode, clipping, norm_method)
+    _check(case, family, mode, clipping)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -543,12 +538,11 @@ def test_parameter_made_trainable_after_make_private_is_refused_at_the_step(how,
     ],
     ids=["llama", "llama-tied", "llama-tied-tied-copies", "llama-norms"],
 )
-@pytest.mark.parametrize("norm_method", ["auto", "ghost"])  # auto: the adapters stream
-def test_lora_keeps_one_record_within_c(family, overrides, mode, norm_method):
+@pytest.mark.parametrize("chosen_as_on", ["cpu", "cuda"])  # cuda: the adapters stream at T 6
+def test_lora_keeps_one_record_within_c(family, overrides, mode, chosen_as_on, monkeypatch):
+    monkeypatch.setattr(rules, "SIZE_RULE_DEVICES", {"cuda", chosen_as_on})
     case = _lora(family, **overrides)
     # chunk sizes that coincide with the rank r and the sequence length T, and T + 1
     slack = 1e-6 if _tolerance(family, mode) else 1e-9
-    outcomes = zoo_case_outcomes(
-        case, (B, RANK, T, T + 1), T, mode=mode, slack=slack, norm_method=norm_method
-    )
+    outcomes = zoo_case_outcomes(case, (B, RANK, T, T + 1), T, mode=mode, slack=slack)
     assert outcomes == [PRIVATE] * 4

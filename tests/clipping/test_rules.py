@@ -352,3 +352,58 @@ def test_rules_form_per_example_gradients_in_the_slot_they_are_given(transposed,
     torch.testing.assert_close(
         got["weight"], RMSNormRule().per_example(norm, g, a[..., :1].expand(b, t, d_out))["weight"]
     )
+
+
+# -- ghost norm or instantiation (norm_method="auto") -------------------------------------------
+
+
+def _chooses_ghost(p: int, d: int, t: int, bias: bool = False) -> bool:
+    from dptrain.clipping.rules import LinearRule
+
+    lin = nn.Linear(p, d, bias=bias, device="meta")
+    return LinearRule().ghost_is_cheaper(lin, torch.empty(2, t, p), torch.empty(2, t, d))
+
+
+@pytest.mark.parametrize(
+    ("p", "d", "t", "on_cpu", "on_cuda"),
+    [
+        (576, 1536, 512, True, False),  # 135M MLP: 2 T^2 < p d <= T (p + d)
+        (576, 576, 512, False, False),  # 135M q: 2 T^2 >= p d, instantiated by both
+        (576, 1536, 128, True, True),  # T 128: the gradient is the larger
+        (2048, 2048, 512, True, True),  # 1B q
+        (2048, 512, 512, True, False),  # 1B k: instantiated on CUDA (docs/engine.md)
+        (64, 192, 50, True, False),  # DPFormer's fused qkv
+    ],
+)
+def test_auto_choice_per_device(p, d, t, on_cpu, on_cuda, monkeypatch):
+    """CUDA instantiates wherever the gradient is no larger than the record; elsewhere
+    Li et al.'s memory rule 2 T^2 < p d (rules.SIZE_RULE_DEVICES), read from the weight's
+    device."""
+    from dptrain.clipping import rules
+
+    assert _chooses_ghost(p, d, t) is on_cpu  # a meta weight: not a size-rule device
+    monkeypatch.setattr(rules, "SIZE_RULE_DEVICES", {"meta"})
+    assert _chooses_ghost(p, d, t) is on_cuda
+
+
+@given(
+    p=st.integers(1, 4096),
+    d=st.integers(1, 4096),
+    t=st.integers(1, 2048),
+    bias=st.booleans(),
+)
+def test_the_size_rule_instantiates_wherever_the_memory_rule_does(p, d, t, bias):
+    """The docstring's argument: p d > T (p + d) implies p d > 4 T^2, so the size rule
+    ghost-norms only layers the memory rule ghost-norms too (a bias's d entries aside,
+    which can only tip a tie towards the ghost norm where the record is the smaller)."""
+    from dptrain.clipping import rules
+
+    rules.SIZE_RULE_DEVICES.add("meta")
+    try:
+        ghost_by_size = _chooses_ghost(p, d, t, bias)
+    finally:
+        rules.SIZE_RULE_DEVICES.discard("meta")
+    ghost_by_memory = 2 * t * t < p * d
+    if ghost_by_size and not bias:
+        assert ghost_by_memory
+    assert ghost_by_size == (p * d + (d if bias else 0) > t * (p + d))

@@ -309,15 +309,17 @@ def test_batch_statistics_before_any_trainable_layer():
 # -- 7. supported models stay supported -------------------------------------------------------
 
 
-# "auto" instantiates every linear layer of this small GPT at T 6 (d_in d_out <= T (d_in +
-# d_out)); "ghost" keeps the ghost norm and the records' clipped sums under the test too.
-@pytest.mark.parametrize("norm_method", ["auto", "ghost"])
+# The layers as a CPU and as CUDA choose them: CUDA instantiates every linear layer of
+# this small GPT at T 6 (d_in d_out <= T (d_in + d_out)), the CPU ghost-norms the MLP.
+@pytest.mark.parametrize("chosen_as_on", ["cpu", "cuda"])
 @pytest.mark.parametrize("clipping", ["flat", "automatic", "per_layer"])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_reference_gpt_is_private(mode, tied, clipping, norm_method):
+def test_reference_gpt_is_private(mode, tied, clipping, chosen_as_on, monkeypatch):
+    from dptrain.clipping import rules
     from tests.clipping.test_models import gpt_case
 
+    monkeypatch.setattr(rules, "SIZE_RULE_DEVICES", {"cuda", chosen_as_on})
     if clipping == "per_layer" and mode == "ghost":
         pytest.skip("per-layer clipping needs book-keeping")
     for batch, seq in [(4, 6), (6, 6), (7, 6)]:  # B == T and B == T + 1 included
@@ -328,6 +330,5 @@ def test_reference_gpt_is_private(mode, tied, clipping, norm_method):
             1,
             mode=mode,
             clipping=clipping,
-            norm_method=norm_method,
         )
         assert result[0] == PRIVATE

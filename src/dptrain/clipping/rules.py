@@ -185,6 +185,17 @@ _HALF_GRAM_MIN_TOKENS = 64
 #: ``benchmarks/launch_count.py`` empties it to count launches as CUDA runs them.
 HALF_GRAM_DEVICES: set[str] = {"cpu"}
 
+#: Device types on which ``norm_method="auto"`` instantiates a linear layer wherever its
+#: per-example gradient is no larger than its record (:meth:`LinearRule.ghost_is_cheaper`).
+#: Elsewhere Li et al.'s memory rule alone decides (ghost when 2 T^2 < d_in d_out): on a
+#: CPU the per-example products of a narrow layer run slower than the Gram matrices and
+#: the one clipped-sum GEMM they replace, and the slots need a copy (SLOT_DEVICES) and a
+#: norm pass. Instantiating DPFormer's fused qkv (64 -> 192 at T 50) took the quick
+#: bench's step from 1.20x to 1.25-1.26x the non-private one, with half the FLOPs of the
+#: ghost path. ``benchmarks/cpu_proxies.py``, ``launch_count.py`` and ``step_peaks.py``
+#: add "cpu" to count as CUDA runs.
+SIZE_RULE_DEVICES: set[str] = {"cuda"}
+
 
 def _gram_inner(x: Tensor, y: Tensor) -> Tensor:
     """sum_{t,s} <x_t, x_s> <y_t, y_s> per example: the ghost norm, (B,).
@@ -306,9 +317,12 @@ class LinearRule(LayerRule):
         memory rule (§4, ghost when 2 T^2 < p d; fastDP's) agrees. That rule alone
         ghost-normed a 135M Llama's MLP at T 512 (p d = 885k > 2 T^2 = 524k, but
         < T (p + d) = 1.08M): 1.6x the non-private step's GEMM FLOPs instead of 1.3x
-        (``benchmarks/cpu_proxies.py``, docs/engine_benchmark.md).
+        (``benchmarks/cpu_proxies.py``, docs/engine_benchmark.md). Off
+        :data:`SIZE_RULE_DEVICES` (the module's weight's device), the memory rule alone.
         """
         tokens = a[0].numel() // max(1, a.shape[-1])
+        if module.weight.device.type not in SIZE_RULE_DEVICES:
+            return 2 * tokens * tokens < a.shape[-1] * g.shape[-1]
         per_example = a.shape[-1] * g.shape[-1] if _trainable(module.weight) else 0
         if _trainable(getattr(module, "bias", None)):
             per_example += g.shape[-1]

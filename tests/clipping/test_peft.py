@@ -145,9 +145,12 @@ def _trainable(model) -> list[str]:
 
 
 # The adapters as a CPU and as CUDA choose them: CUDA instantiates (streams) them at T 6
-# (r d <= T (r + d)), the CPU ghost-norms them (2 T^2 < r d)
-@pytest.mark.parametrize("chosen_as_on", ["cpu", "cuda"])
-@pytest.mark.parametrize(("clipping", "mode"), CLIPPINGS)
+# (r d <= T (r + d)), the CPU ghost-norms them (2 T^2 < r d). CUDA's choice with flat
+# clipping only: the clipping function does not depend on how a norm is formed.
+@pytest.mark.parametrize(
+    ("clipping", "mode", "chosen_as_on"),
+    [(c, m, "cpu") for c, m in CLIPPINGS] + [(c, m, "cuda") for c, m in CLIPPINGS if c == "flat"],
+)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_matches_the_oracle(family, mode, clipping, chosen_as_on, monkeypatch):
     monkeypatch.setattr(rules, "SIZE_RULE_DEVICES", {"cuda", chosen_as_on})

@@ -311,8 +311,12 @@ def test_batch_statistics_before_any_trainable_layer():
 
 # The layers as a CPU and as CUDA choose them: CUDA instantiates every linear layer of
 # this small GPT at T 6 (d_in d_out <= T (d_in + d_out)), the CPU ghost-norms the MLP.
-@pytest.mark.parametrize("chosen_as_on", ["cpu", "cuda"])
-@pytest.mark.parametrize("clipping", ["flat", "automatic", "per_layer"])
+# CUDA's choice with flat clipping only: the clipping function does not depend on how a
+# norm is formed.
+@pytest.mark.parametrize(
+    ("clipping", "chosen_as_on"),
+    [("flat", "cpu"), ("automatic", "cpu"), ("per_layer", "cpu"), ("flat", "cuda")],
+)
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 def test_reference_gpt_is_private(mode, tied, clipping, chosen_as_on, monkeypatch):

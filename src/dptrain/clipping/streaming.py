@@ -247,7 +247,7 @@ def _stored_as(calls: list[tuple[Use, Call]], streamed: set[Use]) -> dict[Use, t
 
 
 #: Device types on which a streamed module's per-example gradients are formed in their
-#: slot of the shared buffer (:meth:`Slots.destinations`). CUDA writes a batched GEMM's
+#: slot of a buffer of slots (:meth:`Slots.destinations`). CUDA writes a batched GEMM's
 #: output at any stride between examples, saving a copy's launch; the CPU's ``bmm`` into
 #: such a strided slot ran up to twice as long as the product and a copy (Llama-sized
 #: shapes, 2 cores), and a launch costs it nothing. ``benchmarks/launch_count.py`` adds
@@ -488,7 +488,7 @@ def _weighted_columns(buffer: Tensor, c: Tensor) -> Tensor:
 
 class PerExampleGrads(dict):
     """{use: {name: (b, *shape) per-example gradients}}, and the :class:`Slots` whose
-    buffer holds the streamed modules' (None until a module streams)."""
+    buffers hold the streamed modules' (None until a module streams)."""
 
     slots: Slots | None = None
 

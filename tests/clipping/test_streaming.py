@@ -134,6 +134,46 @@ def test_streamed_gradients_formed_in_their_slots_match_the_oracle(family, monke
     engine.detach()
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama-full"])
+def test_slots_in_many_chunks_match_the_oracle_and_keep_one_record_within_c(family, monkeypatch):
+    """One slot per chunk (``_CHUNK_BYTES`` 1): the buffers are allocated one by one as the
+    backward reaches them, formed in place (as on CUDA) and summed one product each; the
+    engine still matches the oracle, and one example moves the sum by at most C. With
+    the layers CUDA would instantiate (rules.SIZE_RULE_DEVICES), the Llama's q and o stream
+    too (32 x 32 = T (32 + 32) at T 16: a tie, instantiated and streamed)."""
+    from dptrain.clipping import rules, streaming
+
+    monkeypatch.setattr(streaming, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(streaming, "_CHUNKS", 1 << 20)
+    monkeypatch.setattr(streaming, "SLOT_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(rules, "SIZE_RULE_DEVICES", {"cpu", "cuda"})
+    allocated = []
+    allocate = streaming.Slots._allocate
+
+    def spy(self, i, like):
+        allocated.append(i)
+        return allocate(self, i, like)
+
+    monkeypatch.setattr(streaming.Slots, "_allocate", spy)
+    case = _case(family)
+    engine = ClippingEngine(case.model, 1.0, mode="book_keeping")
+    engine.backward(_losses(case, seed=1)(slice(None)))  # the checked chunk
+    case.model.zero_grad(set_to_none=True)
+    if family == "llama-full":
+        assert {n.rsplit(".", 1)[-1] for n in engine.streamed} >= {"q_proj", "o_proj"}
+    allocated.clear()
+    engine.backward(_losses(case, seed=2)(slice(None)))
+    assert len(allocated) == len(set(allocated)) > 8  # each chunk once, many chunks
+    case.model.zero_grad(set_to_none=True)
+    _check(case, family, engine)
+    engine.detach()
+    losses = _losses(case, seed=3)
+    outcome, _ = sensitivity(
+        case.model, lambda: losses(slice(None)), 1, max_grad_norm=0.01, slack=1e-9
+    )
+    assert outcome == PRIVATE
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_checked_chunk_with_streamed_modules_matches_the_oracle(family, mode):

@@ -1,6 +1,6 @@
 """Per-example gradients formed during the backward, as output gradients arrive.
 
-For modules whose per-example gradients are smaller than the record they come
+For modules whose per-example gradients are no larger than the record they come
 from (LoRA's ``lora_A``/``lora_B`` with r << T, norm layers' d-vectors), the
 engine forms them the moment the module's output gradient ``g`` exists and lets
 ``g`` and the recorded input go, as a non-private backward would: "streamed"
@@ -121,7 +121,7 @@ class Streaming:
         """Whether ``use``'s per-example gradients are formed as its output gradients arrive.
 
         Yes where the engine instantiates them anyway (not ghost-normed) and they are
-        smaller than the record they replace: b * numel(parameters) < numel(a) + numel(g)
+        no larger than the record they replace: b * numel(parameters) <= numel(a) + numel(g)
         (LoRA's lora_A / lora_B with r << T, norm layers' d-vectors). Book-keeping keeps
         them until the clip factors are known in either case; streaming lets a and g go
         during the backward instead of holding both until its end.
@@ -144,7 +144,9 @@ class Streaming:
         g = torch.cat([p[1] for p in parts], 1)
         if self._ghost(use, a, g):
             return False
-        return b * sum(p.numel() for p in own_params(use)) < a.numel() + g.numel()
+        # no larger (a tie, which the linear rule instantiates, holds as much either way
+        # and streamed lets the record go during the backward)
+        return b * sum(p.numel() for p in own_params(use)) <= a.numel() + g.numel()
 
     def output_gradients(
         self,

@@ -83,7 +83,6 @@ def sensitivity(
     slack: float = SLACK,
     units: Tensor | None = None,
     sum_rounding: str = "exact",
-    norm_method: str = "auto",
 ) -> tuple[str, float]:
     """(REFUSED, nan) or (PRIVATE, max pairwise distance / C); asserts the bound.
 
@@ -99,7 +98,6 @@ def sensitivity(
             clipping=clipping,
             units=units,
             sum_rounding=sum_rounding,
-            norm_method=norm_method,
         )
     except UnsupportedModelError:
         return REFUSED, float("nan")
@@ -169,9 +167,7 @@ def neighbour_sensitivity(
     return PRIVATE, worst / max_grad_norm
 
 
-def zoo_case_outcomes(
-    case, sizes, seq_len: int, *, mode: str, slack: float, norm_method: str = "auto"
-) -> list[str]:
+def zoo_case_outcomes(case, sizes, seq_len: int, *, mode: str, slack: float) -> list[str]:
     """The sensitivity outcome of a Hugging Face zoo case (tests/clipping/hf_zoo.py) at each
     chunk size in ``sizes``, example 1 scaled."""
     outcomes = []
@@ -181,14 +177,6 @@ def zoo_case_outcomes(
         def losses(kwargs=kwargs, labels=labels):
             return case.losses(case.model(**kwargs), labels)
 
-        result = sensitivity(
-            case.model,
-            losses,
-            1,
-            max_grad_norm=0.1,
-            mode=mode,
-            slack=slack,
-            norm_method=norm_method,
-        )
+        result = sensitivity(case.model, losses, 1, max_grad_norm=0.1, mode=mode, slack=slack)
         outcomes.append(result[0])
     return outcomes

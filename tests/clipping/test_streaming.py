@@ -61,6 +61,19 @@ def _case(family: str) -> hf_zoo.ZooCase:
     return case
 
 
+def _spy_on_slots(monkeypatch, method: str, record) -> None:
+    """Call ``record(slots, *args)`` before every ``streaming.Slots.<method>`` call."""
+    from dptrain.clipping import streaming
+
+    real = getattr(streaming.Slots, method)
+
+    def spy(self, *args):
+        record(self, *args)
+        return real(self, *args)
+
+    monkeypatch.setattr(streaming.Slots, method, spy)
+
+
 def _expected_streamed(family: str, engine: ClippingEngine) -> set[str]:
     names = {u.name for u in engine._uses.values()}
     if family == "llama-full":
@@ -113,13 +126,13 @@ def test_streamed_gradients_formed_in_their_slots_match_the_oracle(family, monke
 
     monkeypatch.setattr(streaming, "SLOT_DEVICES", {"cpu", "cuda"})
     in_place = []
-    hold = streaming.Slots.hold
-
-    def counting_hold(self, use, grads):
-        in_place.extend(v is self.offered.get((use, k)) for k, v in grads.items())
-        return hold(self, use, grads)
-
-    monkeypatch.setattr(streaming.Slots, "hold", counting_hold)
+    _spy_on_slots(
+        monkeypatch,
+        "hold",
+        lambda slots, use, grads: in_place.extend(
+            v is slots.offered.get((use, k)) for k, v in grads.items()
+        ),
+    )
     case = _case(family)
     engine = ClippingEngine(case.model, 1.0, mode="book_keeping")
     engine.backward(_losses(case, seed=1)(slice(None)))  # the checked chunk
@@ -148,13 +161,7 @@ def test_slots_in_many_chunks_match_the_oracle_and_keep_one_record_within_c(fami
     monkeypatch.setattr(streaming, "SLOT_DEVICES", {"cpu", "cuda"})
     monkeypatch.setattr(rules, "SIZE_RULE_DEVICES", {"cpu", "cuda"})
     allocated = []
-    allocate = streaming.Slots._allocate
-
-    def spy(self, i, like):
-        allocated.append(i)
-        return allocate(self, i, like)
-
-    monkeypatch.setattr(streaming.Slots, "_allocate", spy)
+    _spy_on_slots(monkeypatch, "_allocate", lambda slots, i, like: allocated.append(i))
     case = _case(family)
     engine = ClippingEngine(case.model, 1.0, mode="book_keeping")
     engine.backward(_losses(case, seed=1)(slice(None)))  # the checked chunk
@@ -523,13 +530,9 @@ def test_bf16_streamed_linear_layers_are_kept_in_bf16_and_move_the_sum_by_at_mos
 
     monkeypatch.setattr(streaming, "SLOT_DEVICES", slot_devices)
     stores: list = []
-    allocate = streaming.Slots._allocate
-
-    def spy(self, i, like):
-        stores.append(self._chunks[i][0])
-        return allocate(self, i, like)
-
-    monkeypatch.setattr(streaming.Slots, "_allocate", spy)
+    _spy_on_slots(
+        monkeypatch, "_allocate", lambda slots, i, like: stores.append(slots._chunks[i][0])
+    )
     case = hf_zoo.llama()
     case.model.bfloat16()
     kwargs, labels = case.make_batch(b, T_STREAM, 3)

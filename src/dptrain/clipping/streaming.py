@@ -318,11 +318,13 @@ class Slots:
             item = 2 if dtype in LOW_PRECISION else 4  # a rule's own dtype: float32 at most
             limit = max(_CHUNK_BYTES, -(-b * item * sum(sizes[k] for k in keys) // _CHUNKS))
             chunk: list[tuple[Use, str]] = []
+            held = 0  # the open chunk's bytes
             for key in keys:
                 chunk.append(key)
-                if b * item * sum(sizes[k] for k in chunk) >= limit:
+                held += b * item * sizes[key]
+                if held >= limit:
                     self._add_chunk(dtype, chunk, sizes)
-                    chunk = []
+                    chunk, held = [], 0
             if chunk:
                 self._add_chunk(dtype, chunk, sizes)
         self.slots: dict[tuple[Use, str], int] = {  # columns

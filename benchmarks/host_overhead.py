@@ -52,7 +52,8 @@ def _model(lora: bool) -> torch.nn.Module:
 
 
 def _step(method: str, lora: bool, amp: bool):
-    """One training step of ``method`` ("nonprivate" or "dptrain-bk") as a closure."""
+    """One training step of ``method`` ("nonprivate" or "dptrain-bk") as three closures:
+    forward (-> the loss or per-example losses), backward (loss) and the optimizer step."""
     from dptrain.clipping import ClippingEngine
     from dptrain.optim import DPOptimizer
 
@@ -60,7 +61,8 @@ def _step(method: str, lora: bool, amp: bool):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (B, T + 1), generator=gen)
     x, y = ids[:, :-1], ids[:, 1:]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)  # CUDA's default
 
     def autocast():
         return torch.autocast("cpu", torch.bfloat16) if amp else contextlib.nullcontext()
@@ -70,14 +72,12 @@ def _step(method: str, lora: bool, amp: bool):
 
     if method == "nonprivate":
 
-        def step() -> None:
+        def forward() -> torch.Tensor:
             opt.zero_grad()
             with autocast():
-                loss = F.cross_entropy(logits().flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
+                return F.cross_entropy(logits().flatten(0, 1), y.flatten())
 
-        return step
+        return forward, lambda loss: loss.backward(), opt.step
     engine = ClippingEngine(model, 1.0)
     dpopt = DPOptimizer(
         opt,
@@ -88,29 +88,40 @@ def _step(method: str, lora: bool, amp: bool):
         seed=0,
     )
 
-    def dp_step() -> None:
+    def dp_forward() -> torch.Tensor:
         dpopt.zero_grad()
         with autocast():
-            losses = F.cross_entropy(logits().transpose(1, 2), y, reduction="none").mean(1)
-        engine.backward(losses)
-        dpopt.step()
+            return F.cross_entropy(logits().transpose(1, 2), y, reduction="none").mean(1)
 
-    return dp_step
+    return dp_forward, engine.backward, dpopt.step
 
 
-def measure(lora: bool, amp: bool, steps: int, methods: tuple[str, ...]) -> dict[str, float]:
-    """Median milliseconds per step of each method, run round-robin in this process."""
+PHASES = ("step", "forward", "backward", "optimizer")
+
+
+def measure(
+    lora: bool, amp: bool, steps: int, methods: tuple[str, ...]
+) -> dict[str, dict[str, float]]:
+    """Median milliseconds per step of each method and phase (``PHASES``), the methods run
+    round-robin in this process."""
     built = {m: _step(m, lora, amp) for m in methods}
-    for step in built.values():
+    for forward, backward, optimizer in built.values():
         for _ in range(3):
-            step()
-    times: dict[str, list[float]] = {m: [] for m in methods}
+            backward(forward())
+            optimizer()
+    times = {m: {k: [] for k in PHASES} for m in methods}
     for _ in range(steps):
-        for m, step in built.items():
+        for m, (forward, backward, optimizer) in built.items():
             t0 = time.perf_counter()
-            step()
-            times[m].append(time.perf_counter() - t0)
-    return {m: 1e3 * statistics.median(v) for m, v in times.items()}
+            loss = forward()
+            t1 = time.perf_counter()
+            backward(loss)
+            t2 = time.perf_counter()
+            optimizer()
+            t3 = time.perf_counter()
+            for k, v in zip(PHASES, (t3 - t0, t1 - t0, t2 - t1, t3 - t2), strict=True):
+                times[m][k].append(v)
+    return {m: {k: 1e3 * statistics.median(v) for k, v in ts.items()} for m, ts in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,14 +136,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     methods = (a.only,) if a.only else ("nonprivate", "dptrain-bk")
     print(
-        f"| workload ({LAYERS} layers, hidden {HIDDEN}, B {B}, T {T}, amp {a.amp}) "
-        "| non-private ms | dptrain-bk ms | ratio |\n| --- | ---: | ---: | ---: |"
+        f"| workload ({LAYERS} layers, hidden {HIDDEN}, B {B}, T {T}, amp {a.amp}) | phase "
+        "| non-private ms | dptrain-bk ms | ratio |\n| --- | --- | ---: | ---: | ---: |"
     )
     for lora in (False, True) if a.workload == "both" else (a.workload == "lora",):
         ms = measure(lora, a.amp == "bf16", a.steps, methods)
-        cells = [f"{ms[m]:.1f}" if m in ms else "-" for m in ("nonprivate", "dptrain-bk")]
-        ratio = f"{ms['dptrain-bk'] / ms['nonprivate']:.2f}x" if len(ms) == 2 else "-"
-        print(f"| {'LoRA r4' if lora else 'full'} | {' | '.join(cells)} | {ratio} |")
+        for phase in PHASES:
+            cells = [
+                f"{ms[m][phase]:.1f}" if m in ms else "-" for m in ("nonprivate", "dptrain-bk")
+            ]
+            ratio = (
+                f"{ms['dptrain-bk'][phase] / ms['nonprivate'][phase]:.2f}x" if len(ms) == 2 else "-"
+            )
+            name = "LoRA r4" if lora else "full"
+            print(f"| {name} | {phase} | {' | '.join(cells)} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -38,15 +38,18 @@ def test_each_block_is_one_draw_of_its_size_from_the_generator_in_turn():
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-def test_noise_is_added_in_place_and_its_norms_returned():
-    sums = [torch.ones(40, 30), torch.full((7,), 3.0)]
+def test_noise_is_added_in_place_and_its_norm_per_block_returned():
+    sums = [torch.ones(40, 30), torch.full((7,), 3.0), torch.full((2, 3), -1.0)]
     before = [s.clone() for s in sums]
     norms = add_noise_(sums, 0.5, _gen(1), block_numel=100)
     ref = torch.Generator().manual_seed(1)
     z0 = torch.empty(1200).normal_(0.0, 0.5, generator=ref).view(40, 30)
-    z1 = torch.empty(7).normal_(0.0, 0.5, generator=ref)
-    assert torch.equal(sums[0], before[0] + z0) and torch.equal(sums[1], before[1] + z1)
-    torch.testing.assert_close(torch.stack(norms), torch.stack([z0.norm(), z1.norm()]))
+    z12 = torch.empty(13).normal_(0.0, 0.5, generator=ref)  # 7 + 6 elements: one block
+    z1, z2 = z12[:7], z12[7:].view(2, 3)
+    for s, b, z in zip(sums, before, (z0, z1, z2), strict=True):
+        assert torch.equal(s, b + z)
+    assert len(norms) == 2
+    torch.testing.assert_close(torch.stack(norms), torch.stack([z0.norm(), z12.norm()]))
 
 
 def test_the_draws_have_the_asked_std_and_no_coordinate_is_left_out():

@@ -9,7 +9,7 @@ step was launch-bound). Here the sums are taken in parameter order and cut into 
 one device and dtype and at most ``block_numel`` elements (a larger parameter is a block
 alone). Each block's noise is one draw: a flat tensor filled by one ``normal_`` from the
 device's generator, cut into views shaped as the block's sums, added with one
-``_foreach_add_`` and measured with one ``_foreach_norm``.
+``_foreach_add_`` and measured with one norm of the flat tensor.
 
 Why this is the same mechanism. Every coordinate of every sum still gets its own
 N(0, std^2) draw, independent of all others and of the data (Abadi et al. 2016, Alg. 1,
@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch._utils import _unflatten_dense_tensors
 
 __all__ = ["BLOCK_NUMEL", "add_noise_", "divide_and_publish", "noise_blocks", "total_norm"]
 
@@ -48,6 +49,27 @@ def _blocks(sums: list[Tensor], block_numel: int) -> list[list[int]]:
     return blocks
 
 
+def _draws(
+    sums: list[Tensor],
+    std: float,
+    generator_for: Callable[[torch.device], torch.Generator],
+    block_numel: int,
+) -> Iterator[tuple[list[int], Tensor, list[Tensor]]]:
+    """For each block: its indices, its flat noise and the views of it shaped as its sums."""
+    if block_numel < 1:
+        raise ValueError(f"block_numel={block_numel!r} is not allowed: expected an integer >= 1")
+    for block in _blocks(sums, block_numel):
+        first = sums[block[0]]
+        shaped_as = [sums[i] for i in block]
+        flat = torch.empty(
+            sum(s.numel() for s in shaped_as), dtype=first.dtype, device=first.device
+        )
+        flat.normal_(0.0, std, generator=generator_for(first.device))
+        # the views in one call (DDP's bucket views): a Python view per parameter cost the
+        # noise step a millisecond on a 272-parameter model
+        yield block, flat, list(_unflatten_dense_tensors(flat, shaped_as))
+
+
 def noise_blocks(
     sums: list[Tensor],
     std: float,
@@ -57,14 +79,7 @@ def noise_blocks(
     """For each block (module docstring): the indices of its sums and its noise, one view
     per sum shaped as the sum, N(0, std^2) in the sum's dtype, drawn with
     ``generator_for(device)``. A block's noise lives until the next is drawn."""
-    if block_numel < 1:
-        raise ValueError(f"block_numel={block_numel!r} is not allowed: expected an integer >= 1")
-    for block in _blocks(sums, block_numel):
-        first = sums[block[0]]
-        sizes = [sums[i].numel() for i in block]
-        flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
-        flat.normal_(0.0, std, generator=generator_for(first.device))
-        views = [v.view(sums[i].shape) for v, i in zip(flat.split(sizes), block, strict=True)]
+    for block, _, views in _draws(sums, std, generator_for, block_numel):
         yield block, views
 
 
@@ -75,13 +90,13 @@ def add_noise_(
     block_numel: int = BLOCK_NUMEL,
 ) -> list[Tensor]:
     """sums[i] += N(0, std^2 I) in place, drawn as :func:`noise_blocks` draws it; returns
-    each noise's L2 norm (a tensor per sum, in order: no host sync)."""
-    norms: list[Tensor | None] = [None] * len(sums)
-    for block, noise in noise_blocks(sums, std, generator_for, block_numel):
+    the L2 norm of each block's noise (tensors, in block order: no host sync), whose
+    :func:`total_norm` is the noise's."""
+    norms = []
+    for block, flat, noise in _draws(sums, std, generator_for, block_numel):
         torch._foreach_add_([sums[i] for i in block], noise)
-        for i, n in zip(block, torch._foreach_norm(noise), strict=True):
-            norms[i] = n
-    return norms  # type: ignore[return-value]
+        norms.append(torch.linalg.vector_norm(flat))  # one reduction, not one per sum
+    return norms
 
 
 def divide_and_publish(params: list[nn.Parameter], sums: list[Tensor], divisor: float) -> None:
@@ -106,4 +121,6 @@ def total_norm(norms: list[Tensor]) -> float:
     if not norms:
         return 0.0
     device = norms[0].device
-    return float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]).double()))
+    if any(n.device != device for n in norms):  # a model across devices: gathered on one
+        norms = [n.to(device) for n in norms]
+    return float(torch.linalg.vector_norm(torch.stack(norms).double()))

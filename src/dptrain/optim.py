@@ -64,8 +64,10 @@ class StepMetrics:
 
 
 def _norms(tensors: list[Tensor]) -> list[Tensor]:
-    """L2 norm of each tensor (at least float32), as tensors: no host sync."""
-    return list(torch._foreach_norm([upcast(t) for t in tensors])) if tensors else []
+    """L2 norm of each tensor (float32 or wider: the sums to noise are), as tensors without
+    a graph: no host sync."""
+    with torch.no_grad():
+        return list(torch._foreach_norm(tensors)) if tensors else []
 
 
 def _sum_to_noise(engine: ClippingEngine | None, p: torch.nn.Parameter) -> Tensor:
@@ -235,7 +237,7 @@ class DPOptimizer(torch.optim.Optimizer):
         sums = [self.clipped_sum(p) for p in params]
         # The diagnostics stay tensors until the end: one host sync per step, not two per
         # parameter (a GPU would otherwise stall on every parameter).
-        signal = _norms([s.detach() for s in sums])
+        signal = _norms(sums)
         if self.secure_mode:
             noise_norms = []
             for s in sums:

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from dptrain.clipping import self_check
 from dptrain.clipping.errors import UnsupportedModelError
-from dptrain.clipping.graph_check import SELECTIONS, interior, selections
+from dptrain.clipping.graph_check import SELECTIONS, interior
 from dptrain.clipping.layout import ROWS, SHARED, example_layout, layout_pattern
 
 __all__ = ["RowDecisions", "structural_row_counts"]
@@ -64,14 +64,22 @@ class RowDecisions:
         """Take the selections and signature of a losses' graph (``seen``: its nodes by id;
         ``interiors``: the ids of nodes inside recorded calls, which their rules handle:
         a replay re-runs the module's own routing per example)."""
-        every = selections(seen)
-        self.selections = [n for n in every if id(n) not in interiors]
+        # one pass over the graph's nodes for both (it is the step's largest Python loop)
+        outside: Counter = Counter()
+        every, picked = [], []
+        for k, n in seen.items():
+            name = type(n).__name__
+            if name in SELECTIONS:
+                every.append(n)
+            if k not in interiors:
+                outside[name] += 1
+                if name in SELECTIONS:
+                    picked.append(n)
+        self.selections = picked
         self.sizes_by_data = bool(every)
         # A chunk whose graph differs (a branch taken at random or by the data, which may
         # mix examples where the checked chunk did not) is checked again in full.
-        self.signature = tuple(
-            sorted(Counter(type(n).__name__ for k, n in seen.items() if k not in interiors).items())
-        )
+        self.signature = tuple(sorted(outside.items()))
 
     # -- layouts and patterns ---------------------------------------------------------
 

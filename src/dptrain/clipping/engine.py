@@ -486,10 +486,17 @@ class ClippingEngine:
         return (self._autocast_copies.shared(x), *args[1:]), kwargs
 
     def _make_hook(self, use: Use):
+        # what the rule says about its records, read once: this hook runs on every call
+        rule = use.rule
+        replays = getattr(rule, "replays", False)
+        from_graph = getattr(rule, "lookup_from_graph", False)
+        low_precision_records = getattr(rule, "low_precision_records", False)
+        embedding = isinstance(rule, EmbeddingRule)
+
         def hook(module, args, kwargs, output):
             # A forward re-run inside a backward (activation checkpointing recomputes a
             # block's activations) is not a new call: recording it would count it twice.
-            if in_backward() or self._replaying:
+            if self._replaying or in_backward():
                 return None
             if self._probe is None and not torch.is_grad_enabled():
                 return None
@@ -499,13 +506,13 @@ class ClippingEngine:
                     summary = independence.summary(inputs[0], self._probe_pool)
                     self._probe.setdefault(use, []).append(summary)
                 return None
-            full_output, output = output, use.rule.output_of(module, output)
+            full_output, output = output, rule.output_of(module, output)
             if output is None:
                 kind = type(full_output).__name__
                 use.unrecorded = (
                     f"it has no written rule and returns a {kind}, not a tensor, so the "
                     "generic rule cannot replay it"
-                    if isinstance(use.rule, ReplayRule)
+                    if isinstance(rule, ReplayRule)
                     else f"its rule found no output tensor in a {kind}"
                 )
                 return None
@@ -513,17 +520,17 @@ class ClippingEngine:
                 # Its parameters were frozen after the engine was built and its input
                 # needs no gradient: this call gives no parameter a gradient to clip.
                 return None
-            if getattr(use.rule, "replays", False):
+            if replays:
                 return self._record_replayed(use, module, args, kwargs, output, inputs)
             if not inputs:
                 raise UnsupportedModelError(
                     f"module {use.name} ({type(module).__name__}) was called without a tensor "
                     "input: the engine has nothing to compute its per-example gradients from"
                 )
-            a = use.rule.recorded_input(module, inputs)
+            a = rule.recorded_input(module, inputs)
             in_nodes = [grad_node(t) for t in inputs]
             edge_node = None
-            if getattr(use.rule, "lookup_from_graph", False):
+            if from_graph:
                 edge_node = _lookup_node(output, module.weight, in_nodes)
                 if edge_node is None:
                     raise UnsupportedModelError(
@@ -546,7 +553,7 @@ class ClippingEngine:
             else:
                 edge = get_gradient_edge(output)
                 out_shape = tuple(output.shape)
-            if getattr(use.rule, "low_precision_records", False) and edge_node is None:
+            if low_precision_records and edge_node is None:
                 a = self._autocast_copies.of(a)
             call_index = len(use.calls)
             use.calls.append(
@@ -561,8 +568,7 @@ class ClippingEngine:
                     # ids all examples may share ((T,) or (1, T): positions, a soft prompt's
                     # arange(K)): the output stays as the module returned it, and the backward
                     # reads the examples' rows where it is broadcast (shared_table.py)
-                    shared=isinstance(use.rule, EmbeddingRule)
-                    and shared_table.looks_shared(tuple(a.shape), out_shape),
+                    shared=embedding and shared_table.looks_shared(tuple(a.shape), out_shape),
                     low_precision=low_precision(a, output),
                 )
             )
@@ -874,15 +880,15 @@ class ClippingEngine:
             calls = [c for c in use.calls if id(c.edge.node) in seen]
             if calls:
                 live[use] = calls
-                inside[id(use)] = {
-                    k: v for c in calls for k, v in interior(c.edge.node, c.in_nodes).items()
-                }
-        self._rows.read_graph(seen, {k for nodes in inside.values() for k in nodes})
+                nodes = inside[id(use)] = {}
+                for c in calls:
+                    interior(c.edge.node, c.in_nodes, into=nodes)
+        self._rows.read_graph(seen, set().union(*inside.values()))
         outside = {}
         for name, uses in self._groups.items():
-            allowed = {k: v for u, _ in uses for k, v in inside.get(id(u), {}).items()}
-            for node in uses_of.get(ids[name], []):
-                if id(node) not in allowed:
+            for node in uses_of.get(ids[name], ()):
+                k = id(node)
+                if not any(k in inside.get(id(u), ()) for u, _ in uses):
                     outside.setdefault(name, type(node).__name__)
         if outside:
             where = ", ".join(self._describe_use(name, node) for name, node in outside.items())

@@ -38,7 +38,6 @@ __all__ = [
     "grad_node",
     "interior",
     "parameter_uses",
-    "selections",
 ]
 
 #: The autograd node of ``torch.utils.checkpoint.CheckpointFunction`` (reentrant mode).
@@ -72,27 +71,36 @@ SELECTIONS = frozenset(
 )
 
 
-def interior(output_node, stop_nodes: Iterable) -> dict[int, object]:
+def interior(
+    output_node, stop_nodes: Iterable, into: dict[int, object] | None = None
+) -> dict[int, object]:
     """The graph nodes from ``output_node`` down to (excluding) ``stop_nodes``, by id.
 
     ``stop_nodes`` are the nodes of the call's tensor inputs; leaves (the
     ``AccumulateGrad`` nodes of parameters) end the walk as well. The nodes are
     held in the returned dict: an id names a node only while its Python wrapper
-    is alive (see :func:`parameter_uses`).
+    is alive (see :func:`parameter_uses`). ``into``: a dict to add them to (the
+    interiors of several calls of one module), returned.
     """
+    seen: dict[int, object] = {} if into is None else into
     if output_node is None:
-        return {}
-    stop = {id(n): n for n in stop_nodes if n is not None}
-    seen: dict[int, object] = {}
+        return seen
+    stop = {id(n) for n in stop_nodes if n is not None}
+    # a node reached from another call's walk into the same ``into`` is walked again:
+    # that call's stops may have cut it short of this one's
+    mine: set[int] = set()
     stack = [output_node]
+    pop, push = stack.pop, stack.append
     while stack:
-        node = stack.pop()
-        if id(node) in seen or id(node) in stop:
+        node = pop()
+        k = id(node)
+        if k in mine or k in stop:
             continue
-        seen[id(node)] = node
+        mine.add(k)
+        seen[k] = node
         for nxt, _ in node.next_functions:
-            if nxt is not None and not hasattr(nxt, "variable"):
-                stack.append(nxt)
+            if nxt is not None and id(nxt) not in mine and not hasattr(nxt, "variable"):
+                push(nxt)
     return seen
 
 
@@ -115,25 +123,25 @@ def parameter_uses(
     seen: dict[int, object] = {}
     others: dict[int, object] = {}
     stack = [r for r in roots if r is not None]
+    pop, push = stack.pop, stack.append  # the walk visits every node of the step's graph
     while stack:
-        node = stack.pop()
-        if id(node) in seen:
+        node = pop()
+        k = id(node)
+        if k in seen:
             continue
-        seen[id(node)] = node
-        name = type(node).__name__
-        if name == REENTRANT_CHECKPOINT_NODE:
-            reentrant.append(name)
+        seen[k] = node
+        if type(node).__name__ == REENTRANT_CHECKPOINT_NODE:
+            reentrant.append(REENTRANT_CHECKPOINT_NODE)
         for nxt, _ in node.next_functions:
-            if nxt is None:
+            if nxt is None or id(nxt) in seen:
                 continue
             variable = getattr(nxt, "variable", None)
-            if variable is not None:  # AccumulateGrad: a leaf tensor
-                if id(variable) in watched:
-                    uses.setdefault(id(variable), []).append(node)
-                else:
-                    others[id(nxt)] = nxt
-            elif id(nxt) not in seen:
-                stack.append(nxt)
+            if variable is None:
+                push(nxt)
+            elif id(variable) in watched:  # AccumulateGrad: a leaf tensor
+                uses.setdefault(id(variable), []).append(node)
+            else:
+                others[id(nxt)] = nxt
     return uses, reentrant, seen, list(others.values())
 
 
@@ -142,8 +150,3 @@ def grad_node(t: Tensor):
     if not t.requires_grad:
         return None
     return t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node
-
-
-def selections(seen: dict[int, object]) -> list:
-    """The nodes among ``seen`` (a walk's nodes) that select rows by index values."""
-    return [n for n in seen.values() if type(n).__name__ in SELECTIONS]

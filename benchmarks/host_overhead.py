@@ -9,8 +9,19 @@ and dptrain's book-keeping step (per-example losses, ``ClippingEngine.backward``
 ``DPOptimizer`` with noise) alternate in one process, one torch thread, after 3 warm-up
 steps each (the engine's checks run on the first); medians of the timed steps.
 
+Linear layers are ghost-normed or instantiated as on CUDA (``--as-on cuda``, the default:
+``rules.SIZE_RULE_DEVICES``, ``streaming.SLOT_DEVICES`` and ``rules.HALF_GRAM_DEVICES`` set
+as ``launch_count.py`` sets them), since the GPU step is the one this proxies.
+
+**Comparing two versions of the engine.** This machine's speed drifts by up to 2x within
+minutes (other tenants), so timings taken in separate runs do not compare. ``--against
+REV`` adds the private step of git revision REV, its ``src/dptrain`` copied under another
+package name (``dptrain_at_REV``), to the same round-robin: each timed round runs the
+non-private step, REV's and this checkout's, so drift touches all three alike.
+
     python benchmarks/host_overhead.py                 # full and LoRA r4, bf16 autocast
     python benchmarks/host_overhead.py --amp off --steps 30
+    python benchmarks/host_overhead.py --workload full --steps 40 --against HEAD~3
 
 Where the private step's host time goes: ``py-spy record -f raw`` on
 ``--only dptrain-bk`` (py-spy is not a dependency; ``pip install py-spy``).
@@ -20,8 +31,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import re
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -51,11 +69,60 @@ def _model(lora: bool) -> torch.nn.Module:
     return model
 
 
-def _step(method: str, lora: bool, amp: bool):
+def _package_at(rev: str) -> str:
+    """Import name of git revision ``rev``'s ``src/dptrain``, copied under a name of its own
+    (its absolute imports of dptrain rewritten to that name) into a temporary directory
+    put on ``sys.path``."""
+    repo = Path(__file__).resolve().parents[1]
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    name = f"dptrain_at_{sha}"
+    root = Path(tempfile.mkdtemp(prefix="host_overhead_"))
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", sha, "src/dptrain"],
+        cwd=repo,
+        capture_output=True,
+        check=True,
+    ).stdout
+    tar_path = root / "src.tar"
+    tar_path.write_bytes(archive)
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(root, filter="data")
+    (root / "src" / "dptrain").rename(root / name)
+    pattern = re.compile(
+        r"\bdptrain(?=[.\s])"
+    )  # dptrain.x, "import dptrain", "from dptrain import"
+    for py in (root / name).rglob("*.py"):
+        text = py.read_text()
+        lines = [
+            pattern.sub(name, line) if line.lstrip().startswith(("from ", "import ")) else line
+            for line in text.splitlines(keepends=True)
+        ]
+        py.write_text("".join(lines))
+    sys.path.insert(0, str(root))
+    return name
+
+
+def _as_on(device: str, package: str) -> None:
+    """Layer choices (ghost norm or instantiation, slots, whole Gram matrices) as ``device``
+    makes them, in ``package``'s engine (a revision older than one of these settings makes
+    that choice as it always did)."""
+    if device != "cuda":
+        return
+    rules = importlib.import_module(f"{package}.clipping.rules")
+    streaming = importlib.import_module(f"{package}.clipping.streaming")
+    getattr(rules, "HALF_GRAM_DEVICES", set()).discard("cpu")
+    getattr(streaming, "SLOT_DEVICES", set()).add("cpu")
+    getattr(rules, "SIZE_RULE_DEVICES", set()).add("cpu")
+
+
+def _step(method: str, lora: bool, amp: bool, package: str = "dptrain"):
     """One training step of ``method`` ("nonprivate" or "dptrain-bk") as three closures:
-    forward (-> the loss or per-example losses), backward (loss) and the optimizer step."""
-    from dptrain.clipping import ClippingEngine
-    from dptrain.optim import DPOptimizer
+    forward (-> the loss or per-example losses), backward (loss) and the optimizer step.
+    ``package``: the dptrain to import (``_package_at``: another revision's)."""
+    ClippingEngine = importlib.import_module(f"{package}.clipping").ClippingEngine
+    DPOptimizer = importlib.import_module(f"{package}.optim").DPOptimizer
 
     model = _model(lora)
     gen = torch.Generator().manual_seed(1)
@@ -100,11 +167,11 @@ PHASES = ("step", "forward", "backward", "optimizer")
 
 
 def measure(
-    lora: bool, amp: bool, steps: int, methods: tuple[str, ...]
+    lora: bool, amp: bool, steps: int, methods: dict[str, tuple[str, str]]
 ) -> dict[str, dict[str, float]]:
     """Median milliseconds per step of each method and phase (``PHASES``), the methods run
-    round-robin in this process."""
-    built = {m: _step(m, lora, amp) for m in methods}
+    round-robin in this process. ``methods``: {label: (method, package)}."""
+    built = {label: _step(m, lora, amp, package) for label, (m, package) in methods.items()}
     for forward, backward, optimizer in built.values():
         for _ in range(3):
             backward(forward())
@@ -132,24 +199,44 @@ def main(argv: list[str] | None = None) -> None:
         "--only", choices=("nonprivate", "dptrain-bk"), help="one method (for a profiler)"
     )
     parser.add_argument("--workload", choices=("both", "full", "lora"), default="both")
+    parser.add_argument(
+        "--as-on",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="whose choice of ghost norm or instantiation per layer (default: CUDA's)",
+    )
+    parser.add_argument(
+        "--against", metavar="REV", help="also time git revision REV's engine, in the same rounds"
+    )
     a = parser.parse_args(argv)
+    if a.steps < 1:
+        parser.error(f"--steps {a.steps} is not allowed: expected an integer >= 1")
     torch.set_num_threads(1)
-    methods = (a.only,) if a.only else ("nonprivate", "dptrain-bk")
+    methods = {"nonprivate": ("nonprivate", "dptrain"), "dptrain-bk": ("dptrain-bk", "dptrain")}
+    if a.only:
+        methods = {a.only: methods[a.only]}
+    if a.against:
+        package = _package_at(a.against)
+        _as_on(a.as_on, package)
+        methods[f"dptrain-bk at {a.against}"] = ("dptrain-bk", package)
+    _as_on(a.as_on, "dptrain")
+    labels = [m for m in methods if m != "nonprivate"]
+    private = " | ".join(f"{m} ms | ratio" for m in labels)
     print(
-        f"| workload ({LAYERS} layers, hidden {HIDDEN}, B {B}, T {T}, amp {a.amp}) | phase "
-        "| non-private ms | dptrain-bk ms | ratio |\n| --- | --- | ---: | ---: | ---: |"
+        f"| workload ({LAYERS} layers, hidden {HIDDEN}, B {B}, T {T}, amp {a.amp}, "
+        f"layers as on {a.as_on}) | phase | non-private ms | {private} |\n"
+        f"| --- | --- | ---: |{' ---: | ---: |' * len(labels)}"
     )
     for lora in (False, True) if a.workload == "both" else (a.workload == "lora",):
         ms = measure(lora, a.amp == "bf16", a.steps, methods)
         for phase in PHASES:
-            cells = [
-                f"{ms[m][phase]:.1f}" if m in ms else "-" for m in ("nonprivate", "dptrain-bk")
-            ]
-            ratio = (
-                f"{ms['dptrain-bk'][phase] / ms['nonprivate'][phase]:.2f}x" if len(ms) == 2 else "-"
-            )
+            base = ms.get("nonprivate", {}).get(phase)
+            cells = [f"{base:.1f}" if base else "-"]
+            for m in labels:
+                ratio = f"{ms[m][phase] / base:.2f}x" if base else "-"
+                cells += [f"{ms[m][phase]:.1f}", ratio]
             name = "LoRA r4" if lora else "full"
-            print(f"| {name} | {phase} | {' | '.join(cells)} | {ratio} |")
+            print(f"| {name} | {phase} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

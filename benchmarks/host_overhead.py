@@ -30,9 +30,11 @@ Where the private step's host time goes: ``py-spy record -f raw`` on
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import importlib
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -79,6 +81,7 @@ def _package_at(rev: str) -> str:
     ).stdout.strip()
     name = f"dptrain_at_{sha}"
     root = Path(tempfile.mkdtemp(prefix="host_overhead_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     archive = subprocess.run(
         ["git", "archive", "--format=tar", sha, "src/dptrain"],
         cwd=repo,
@@ -221,11 +224,11 @@ def main(argv: list[str] | None = None) -> None:
         methods[f"dptrain-bk at {a.against}"] = ("dptrain-bk", package)
     _as_on(a.as_on, "dptrain")
     labels = [m for m in methods if m != "nonprivate"]
-    private = " | ".join(f"{m} ms | ratio" for m in labels)
+    header = ["phase", "non-private ms", *(c for m in labels for c in (f"{m} ms", "ratio"))]
     print(
         f"| workload ({LAYERS} layers, hidden {HIDDEN}, B {B}, T {T}, amp {a.amp}, "
-        f"layers as on {a.as_on}) | phase | non-private ms | {private} |\n"
-        f"| --- | --- | ---: |{' ---: | ---: |' * len(labels)}"
+        f"layers as on {a.as_on}) | {' | '.join(header)} |\n"
+        f"| --- | --- |{' ---: |' * (len(header) - 1)}"
     )
     for lora in (False, True) if a.workload == "both" else (a.workload == "lora",):
         ms = measure(lora, a.amp == "bf16", a.steps, methods)

@@ -31,3 +31,40 @@ def test_interior_holds_the_nodes_it_names():
     inside = interior(loss.grad_fn, [])
     assert len(inside) == 42
     assert all(id(node) == key for key, node in inside.items())
+
+
+def test_interiors_gathered_into_one_dict_are_the_union_of_each_calls():
+    # The first call's walk stops at h's node, below k's; the second call has no stop
+    # there. Its walk must go on through k's node, which the first already put in the
+    # dict, down to h's.
+    x = torch.randn(3, requires_grad=True)
+    h = x * 2
+    k = h * 3
+    first, second = k + 1, k.exp()
+    one, two = interior(first.grad_fn, [h.grad_fn]), interior(second.grad_fn, [])
+    assert h.grad_fn not in one.values() and h.grad_fn in two.values()
+    both = interior(second.grad_fn, [], into=interior(first.grad_fn, [h.grad_fn]))
+    assert set(both) == set(one) | set(two)
+
+
+def test_output_edge_is_get_gradient_edge():
+    from torch.autograd.graph import get_gradient_edge
+
+    from dptrain.clipping.graph_check import output_edge
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    leaf = torch.randn(2, 3, requires_grad=True)
+    a, b = (leaf * 3).unbind(0)  # autograd's own node, outputs 0 and 1
+    custom = Twice.apply(leaf)  # a Python node: the general path (it keeps the graph alive)
+    for t in (a, b, leaf, custom):
+        got, want = output_edge(t), get_gradient_edge(t)
+        assert got.node is want.node and got.output_nr == want.output_nr
+    assert output_edge(b).output_nr == 1

@@ -68,7 +68,7 @@ from dptrain.clipping.decisions import RowDecisions
 from dptrain.clipping.errors import UnclippedGradientError, UnsupportedModelError
 from dptrain.clipping.functions import CLIPPING_FUNCTIONS, automatic_factors, flat_factors
 from dptrain.clipping.grad_store import GradStore, ParameterSharding
-from dptrain.clipping.graph_check import grad_node, interior, parameter_uses
+from dptrain.clipping.graph_check import grad_node, interior, output_edge, parameter_uses
 from dptrain.clipping.precision import LOW_PRECISION, upcast
 from dptrain.clipping.records import (
     AutocastCopies,
@@ -551,7 +551,7 @@ class ClippingEngine:
                 edge = GradientEdge(edge_node, 0)
                 out_shape = (*a.shape, module.weight.shape[1])
             else:
-                edge = get_gradient_edge(output)
+                edge = output_edge(output)
                 out_shape = tuple(output.shape)
             if low_precision_records and edge_node is None:
                 a = self._autocast_copies.of(a)

@@ -30,13 +30,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
+from torch._C import _FunctionBase as _PYTHON_NODE  # a custom autograd.Function's node
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 __all__ = [
     "REENTRANT_CHECKPOINT_NODE",
     "SELECTIONS",
     "grad_node",
     "interior",
+    "output_edge",
     "parameter_uses",
 ]
 
@@ -143,6 +145,16 @@ def parameter_uses(
             else:
                 others[id(nxt)] = nxt
     return uses, reentrant, seen, list(others.values())
+
+
+def output_edge(t: Tensor) -> GradientEdge:
+    """``get_gradient_edge(t)`` for a tensor that needs a gradient, without its Python
+    work where ``t``'s node is one of autograd's own (it runs once per recorded call;
+    a custom Function's node, or a leaf's accumulator, takes the general path)."""
+    node = t.grad_fn
+    if node is not None and not isinstance(node, _PYTHON_NODE):
+        return GradientEdge(node, t.output_nr)
+    return get_gradient_edge(t)
 
 
 def grad_node(t: Tensor):

@@ -66,17 +66,18 @@ class RowDecisions:
         a replay re-runs the module's own routing per example)."""
         # one pass over the graph's nodes for both (it is the step's largest Python loop)
         outside: Counter = Counter()
-        every, picked = [], []
+        picked = []
+        any_selection = False
         for k, n in seen.items():
             name = type(n).__name__
-            if name in SELECTIONS:
-                every.append(n)
+            selects = name in SELECTIONS
+            any_selection |= selects
             if k not in interiors:
                 outside[name] += 1
-                if name in SELECTIONS:
+                if selects:
                     picked.append(n)
         self.selections = picked
-        self.sizes_by_data = bool(every)
+        self.sizes_by_data = any_selection
         # A chunk whose graph differs (a branch taken at random or by the data, which may
         # mix examples where the checked chunk did not) is checked again in full.
         self.signature = tuple(sorted(outside.items()))

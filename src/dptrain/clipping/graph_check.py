@@ -87,7 +87,7 @@ def interior(
     seen: dict[int, object] = {} if into is None else into
     if output_node is None:
         return seen
-    stop = {id(n) for n in stop_nodes if n is not None}
+    stop = {id(n): n for n in stop_nodes if n is not None}  # held: their ids stay theirs
     # a node reached from another call's walk into the same ``into`` is walked again:
     # that call's stops may have cut it short of this one's
     mine: set[int] = set()

@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmark scripts: fresh measuring processes and run metadata.
+"""Shared pieces of the benchmark scripts: fresh measuring processes, run metadata, and
+the engine's layer choices made as on CUDA.
 
 Peak memory is measured in a fresh process per configuration, read from
 ``ru_maxrss``. Linux keeps ``ru_maxrss`` across ``execve``, and a child
@@ -10,6 +11,7 @@ it reports is its own.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import platform
@@ -20,7 +22,14 @@ import sys
 
 import torch
 
-__all__ = ["command_line", "git_description", "machine_description", "maxrss_mb", "run_fresh"]
+__all__ = [
+    "command_line",
+    "cuda_layer_choices",
+    "git_description",
+    "machine_description",
+    "maxrss_mb",
+    "run_fresh",
+]
 
 _LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
@@ -86,3 +95,16 @@ def command_line() -> str:
         if not rel.startswith(".."):
             exe = rel
     return shlex.join([exe, *sys.argv])
+
+
+def cuda_layer_choices(package: str = "dptrain") -> None:
+    """Make ``package``'s engine choose per layer as it does on CUDA, on this CPU: whole
+    Gram matrices (``rules.HALF_GRAM_DEVICES``), streamed per-example gradients formed in
+    their slots (``streaming.SLOT_DEVICES``) and ghost norm or instantiation by size
+    (``rules.SIZE_RULE_DEVICES``). A revision older than one of these settings keeps that
+    choice as it always made it (``host_overhead.py --against``)."""
+    rules = importlib.import_module(f"{package}.clipping.rules")
+    streaming = importlib.import_module(f"{package}.clipping.streaming")
+    getattr(rules, "HALF_GRAM_DEVICES", set()).discard("cpu")
+    getattr(streaming, "SLOT_DEVICES", set()).add("cpu")
+    getattr(rules, "SIZE_RULE_DEVICES", set()).add("cpu")

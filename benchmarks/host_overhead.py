@@ -10,8 +10,8 @@ and dptrain's book-keeping step (per-example losses, ``ClippingEngine.backward``
 steps each (the engine's checks run on the first); medians of the timed steps.
 
 Linear layers are ghost-normed or instantiated as on CUDA (``--as-on cuda``, the default:
-``rules.SIZE_RULE_DEVICES``, ``streaming.SLOT_DEVICES`` and ``rules.HALF_GRAM_DEVICES`` set
-as ``launch_count.py`` sets them), since the GPU step is the one this proxies.
+``_harness.cuda_layer_choices``, as ``launch_count.py`` makes them), since the GPU step is
+the one this proxies.
 
 **Comparing two versions of the engine.** This machine's speed drifts by up to 2x within
 minutes (other tenants), so timings taken in separate runs do not compare. ``--against
@@ -33,6 +33,7 @@ import argparse
 import atexit
 import contextlib
 import importlib
+import io
 import re
 import shutil
 import statistics
@@ -45,6 +46,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from _harness import cuda_layer_choices
 
 LAYERS, HIDDEN, VOCAB, B, T = 30, 32, 128, 2, 16
 
@@ -88,14 +91,11 @@ def _package_at(rev: str) -> str:
         capture_output=True,
         check=True,
     ).stdout
-    tar_path = root / "src.tar"
-    tar_path.write_bytes(archive)
-    with tarfile.open(tar_path) as tar:
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(root, filter="data")
     (root / "src" / "dptrain").rename(root / name)
-    pattern = re.compile(
-        r"\bdptrain(?=[.\s])"
-    )  # dptrain.x, "import dptrain", "from dptrain import"
+    # dptrain.x, "import dptrain", "from dptrain import"; strings and comments stay
+    pattern = re.compile(r"\bdptrain(?=[.\s])")
     for py in (root / name).rglob("*.py"):
         text = py.read_text()
         lines = [
@@ -105,19 +105,6 @@ def _package_at(rev: str) -> str:
         py.write_text("".join(lines))
     sys.path.insert(0, str(root))
     return name
-
-
-def _as_on(device: str, package: str) -> None:
-    """Layer choices (ghost norm or instantiation, slots, whole Gram matrices) as ``device``
-    makes them, in ``package``'s engine (a revision older than one of these settings makes
-    that choice as it always did)."""
-    if device != "cuda":
-        return
-    rules = importlib.import_module(f"{package}.clipping.rules")
-    streaming = importlib.import_module(f"{package}.clipping.streaming")
-    getattr(rules, "HALF_GRAM_DEVICES", set()).discard("cpu")
-    getattr(streaming, "SLOT_DEVICES", set()).add("cpu")
-    getattr(rules, "SIZE_RULE_DEVICES", set()).add("cpu")
 
 
 def _step(method: str, lora: bool, amp: bool, package: str = "dptrain"):
@@ -218,11 +205,13 @@ def main(argv: list[str] | None = None) -> None:
     methods = {"nonprivate": ("nonprivate", "dptrain"), "dptrain-bk": ("dptrain-bk", "dptrain")}
     if a.only:
         methods = {a.only: methods[a.only]}
+    packages = ["dptrain"]
     if a.against:
-        package = _package_at(a.against)
-        _as_on(a.as_on, package)
-        methods[f"dptrain-bk at {a.against}"] = ("dptrain-bk", package)
-    _as_on(a.as_on, "dptrain")
+        packages.append(_package_at(a.against))
+        methods[f"dptrain-bk at {a.against}"] = ("dptrain-bk", packages[-1])
+    if a.as_on == "cuda":
+        for package in packages:
+            cuda_layer_choices(package)
     labels = [m for m in methods if m != "nonprivate"]
     header = ["phase", "non-private ms", *(c for m in labels for c in (f"{m} ms", "ratio"))]
     print(

@@ -37,6 +37,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from _harness import cuda_layer_choices
+
 # Operators that launch no kernel: views, allocations, metadata.
 NO_LAUNCH = {
     "view", "_unsafe_view", "reshape", "expand", "transpose", "t", "permute", "as_strided",
@@ -62,12 +64,9 @@ class _Launches(TorchDispatchMode):
 def _child(workload: str, method: str, b: int, t: int) -> None:
     torch.optim.AdamW.__init__ = functools.partialmethod(torch.optim.AdamW.__init__, foreach=True)
     from dptrain.bench.workloads import WORKLOADS, build_step
-    from dptrain.clipping import rules, streaming
     from dptrain.clipping.tensor_cores import flops_emulated, ops_emulated
 
-    rules.HALF_GRAM_DEVICES.clear()  # whole Gram matrices, as on CUDA
-    streaming.SLOT_DEVICES.add("cpu")  # per-example gradients formed in their slots, as on CUDA
-    rules.SIZE_RULE_DEVICES.add("cpu")  # ghost or instantiation per layer, as on CUDA
+    cuda_layer_choices()
 
     torch.set_num_threads(2)
     w = dataclasses.replace(WORKLOADS[workload], batch_size=b, seq_len=t)

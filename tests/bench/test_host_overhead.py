@@ -16,7 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _load_script():
-    """The script by its path (opacus installs a package named ``benchmarks``)."""
+    """The script by its path (opacus installs a package named ``benchmarks``), with its
+    folder importable, as when it runs (it imports ``_harness``)."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.append(str(REPO / "benchmarks"))
     path = REPO / "benchmarks" / "host_overhead.py"
     spec = importlib.util.spec_from_file_location("host_overhead", path)
     module = importlib.util.module_from_spec(spec)

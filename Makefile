@@ -24,7 +24,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt Makefile
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/dptrain demo --out runs/demo
+	$(BIN)/dptrain demo
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks examples

@@ -459,3 +459,35 @@ def test_python_dash_m_dptrain_is_the_dptrain_command():
     )
     assert out.returncode == 0, out.stderr
     assert "usage: dptrain" in out.stdout and "train" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "command, inside",
+    [
+        (["demo"], None),
+        (["experiment", "dpformer"], None),
+        (["experiment", "dpfp"], None),
+        (["audit", "one-run"], None),
+        (["audit", "mia"], None),
+        (["audit", "exposure"], None),
+        (["audit", "properties"], None),
+        (["study", "snr"], "snr"),
+        (["study", "e2e-heatmap"], None),
+    ],
+)
+def test_a_named_run_folder_that_holds_a_run_is_refused_before_any_work(
+    capsys, tmp_path, command, inside
+):
+    out = tmp_path / "runs"
+    held = out / inside if inside else out
+    held.mkdir(parents=True)
+    (held / "ledger.json").write_text("{}")
+    code, _, err = run(capsys, *command, f"out={out}")
+    assert code == 2
+    assert f"out={str(held)!r} is not allowed: the folder exists" in err
+    assert "overwrite=true" in err
+    assert [p.name for p in held.iterdir()] == ["ledger.json"]
+    # overwrite= is the command line's setting, checked like any other
+    code, _, err = run(capsys, *command, f"out={tmp_path / 'new'}", "overwrite=maybe")
+    assert code == 2 and "overwrite='maybe' is not allowed" in err
+    assert not (tmp_path / "new").exists()

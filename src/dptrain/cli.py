@@ -239,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
         train="classify",
         config_flag=False,
     )
-    p.add_argument("--out", default="runs/demo", help="run folder")
+    p.add_argument(
+        "--out",
+        help="run folder (refused if it holds files, unless overwrite=true); default "
+        "runs/demo, or a fresh runs/demo-<YYYYmmdd-HHMMSS> when that holds an earlier run",
+    )
 
     p = sub.add_parser(
         "consolidate",
@@ -841,12 +845,15 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     command = "dptrain " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.command == "train":
         return _train(args)
+    # the others guard their run folders here: overwrite= is the command line's, not a key
+    args.overrides, overwrite = _pop_overwrite(list(args.overrides))
     if args.command == "study":
-        return _study(args, command)
+        return _study(args, command, overwrite)
     if args.command == "audit" and args.audit == "one-run":
         from dptrain.recipes.audit_one_run import load_one_run_config, run_one_run_audit
 
         cfg = load_one_run_config(args.config, args.overrides)
+        _claim_output(cfg, args, overwrite)
         with _could_not_run("audit one-run"):
             results = run_one_run_audit(cfg, progress=not args.json)
         if args.json:
@@ -856,11 +863,12 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             print(f"results: {cfg.out}/results.json")
         return _audit_exit_code(results["status"], "audit one-run")
     if args.command == "audit" and args.audit == "properties":
-        return _audit_properties(args)
+        return _audit_properties(args, overwrite)
     if args.command == "audit" and args.audit == "mia":
         from dptrain.recipes.audit_mia import load_mia_config, run_mia_audit
 
         cfg = load_mia_config(args.config, args.overrides)
+        _claim_output(cfg, args, overwrite)
         if args.json:
             cfg.progress = False  # stdout is the JSON; the bar would only add noise to stderr
         results = run_mia_audit(cfg)
@@ -874,6 +882,7 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         from dptrain.recipes.exposure import load_exposure_config, run_exposure_audit
 
         cfg = load_exposure_config(args.config or configs_dir() / "exposure.yaml", args.overrides)
+        _claim_output(cfg, args, overwrite)
         results = run_exposure_audit(cfg, command)
         if args.json:
             return _print_json(results)
@@ -889,6 +898,7 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
         path = args.config or configs_dir() / "dpfp_experiment.yaml"
         cfg = load_dpfp_experiment_config(path, args.overrides)
+        _claim_output(cfg, args, overwrite)
         results = run_dpfp_experiment(cfg, command)
         if args.json:
             return _print_json(results)
@@ -899,7 +909,9 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if args.command == "demo":
         from dptrain.recipes.demo import guarantee, load_demo_config, run_demo
 
-        cfg = load_demo_config(None, [f"out={args.out}", *args.overrides])
+        given = [f"out={args.out}"] if args.out is not None else []
+        cfg = load_demo_config(None, [*given, *args.overrides])
+        _claim_output(cfg, args, overwrite)
         summary = run_demo(cfg, command)
         if args.json:
             return _print_json(summary)
@@ -915,6 +927,7 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     )
 
     cfg = load_experiment_config(args.config, args.overrides)
+    _claim_output(cfg, args, overwrite)
     results = run_dpformer_experiment(cfg, command)
     if args.json:
         return _print_json(results)
@@ -925,12 +938,13 @@ def _run_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     return 0
 
 
-def _audit_properties(args: argparse.Namespace) -> int:
+def _audit_properties(args: argparse.Namespace, overwrite: bool = False) -> int:
     """``dptrain audit properties``: 0 nothing flagged, 1 flagged, 2 could not run (a crash
     too, or a check that did not run: it proves nothing)."""
     from dptrain.recipes.audit_properties import load_properties_config, run_properties_audit
 
     cfg = load_properties_config(args.config, args.overrides)  # bad input: ValueError, exit 2
+    _claim_output(cfg, args, overwrite)
     try:
         report = run_properties_audit(cfg, progress=not args.json)
     except Exception as err:  # a check that crashed did not pass: exit 2, not 1
@@ -952,7 +966,7 @@ def _audit_properties(args: argparse.Namespace) -> int:
     return 0
 
 
-def _study(args: argparse.Namespace, command: str) -> int:
+def _study(args: argparse.Namespace, command: str, overwrite: bool = False) -> int:
     """``dptrain study NAME``: one study grid; prints its table and where its plot is."""
     from pathlib import Path
 
@@ -966,12 +980,14 @@ def _study(args: argparse.Namespace, command: str) -> int:
         )
 
         cfg = load_table2text_study_config(path, args.overrides)
+        _claim_output(cfg, args, overwrite)
         results = run_table2text_study(cfg, command)
         out = Path(cfg.out)
     else:
         from dptrain.recipes.mlm_studies import load_mlm_study_config, run_mlm_study
 
         cfg = load_mlm_study_config(path, args.overrides)
+        _claim_output(cfg, args, overwrite, inside=args.study)
         results = run_mlm_study(args.study, cfg, command)
         out = Path(cfg.out) / args.study  # one YAML serves the three studies
     if args.json:
@@ -1010,15 +1026,35 @@ def _run_folder_overrides(
     for one that guards its own (``train lm``)."""
     import dataclasses
 
-    from dptrain.config import parse_overrides
-
     if "overwrite" in {f.name for f in dataclasses.fields(config_class)}:
         return overrides, None
+    return _pop_overwrite(overrides)
+
+
+def _pop_overwrite(overrides: list[str]) -> tuple[list[str], bool]:
+    """(overrides without ``overwrite=``, its value, false if absent): the command line's
+    setting for a command that guards its own run folder (``_claim_output``)."""
+    from dptrain.config import parse_overrides
+
     rest = [o for o in overrides if o.partition("=")[0].strip() != "overwrite"]
     value = parse_overrides([o for o in overrides if o not in rest]).get("overwrite", False)
     if not isinstance(value, bool):
         raise ValueError(f"overwrite={value!r} is not allowed: expected true or false")
     return rest, value
+
+
+def _claim_output(
+    cfg: Any, args: argparse.Namespace, overwrite: bool, *, inside: str | None = None
+) -> None:
+    """Set ``cfg.out`` to the folder this run may write (``claim_run_folder``): one the
+    command line named (``out=``, the demo's ``--out``) is refused if it holds files,
+    unless ``overwrite=true``; a default that holds an earlier run gives way to a fresh
+    sibling. Called before any work, so a refusal costs nothing."""
+    from dptrain.config import parse_overrides
+    from dptrain.recipes._run_folder import claim_run_folder
+
+    named = "out" in parse_overrides(args.overrides) or getattr(args, "out", None) is not None
+    cfg.out = str(claim_run_folder(cfg.out, named=named, overwrite=overwrite, inside=inside))
 
 
 def _claim_run_folder(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,28 @@ def test_cli_prints_the_table_and_the_guarantee(train, tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "bad"), "method=dpsgd"]) == 2
     assert "unknown config key(s) ['method']" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_second_demo_never_writes_over_the_first(train, tmp_path, capsys, monkeypatch):
+    from dptrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["demo", "epsilons=[8]", "progress=false", *[f"{k}={v}" for k, v in train.items()]]
+    assert main(args) == 0
+    first = tmp_path / "runs" / "demo"
+    table = (first / "table.md").read_text()
+    ledger = first / "eps8" / "ledger.json"
+    before = ledger.read_bytes()
+    capsys.readouterr()
+    # the default folder holds a run: the second run gets a fresh one, announced
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    (second,) = (p for p in (tmp_path / "runs").iterdir() if p.name.startswith("demo-"))
+    assert f"this run writes to {Path('runs') / second.name}" in err
+    assert (second / "table.md").read_text() in out and (second / "eps8" / "ledger.json").is_file()
+    assert (first / "table.md").read_text() == table and ledger.read_bytes() == before
+    # a folder named with --out is the user's choice: refused while it holds a run
+    assert main(["demo", "--out", str(first), *args[1:]]) == 2
+    assert "is not allowed: the folder exists" in capsys.readouterr().err
+    assert main(["demo", "--out", str(first), "overwrite=true", *args[1:]]) == 0
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["demo", second.name]

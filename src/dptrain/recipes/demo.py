@@ -1,7 +1,9 @@
 """The main demo: a private sentiment classifier that is nearly as good as a non-private one.
 
-``dptrain demo [--out runs/demo] [key=value ...]`` (``make demo``), 1-3
-minutes on 2 CPU cores, on packaged data only:
+``dptrain demo [--out FOLDER] [key=value ...]`` (``make demo``), 1-3
+minutes on 2 CPU cores, on packaged data only. It writes to ``runs/demo``, or to a
+fresh ``runs/demo-<YYYYmmdd-HHMMSS>`` while that holds an earlier run (the command
+line's ``claim_run_folder``: a run's ledgers are never written over):
 
 1. **setup**: the packaged Rotten Tomatoes reviews (10,246 train / 1,281 dev /
    1,281 test, fixed split) and the packaged all-MiniLM-L6-v2 as a *public*

@@ -260,6 +260,42 @@ def test_rmsnorm_rule_normalises_as_the_module_does(norm_cls, rule, dtype):
     assert torch.equal(got.to(want.dtype), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(("norm_cls", "rule"), _registered_rmsnorms())
+def test_rmsnorm_saved_operand_is_what_autograd_multiplies_by(norm_cls, rule, dtype):
+    # The streamed path reads n(x) from the output's node (saved_operand) instead of
+    # normalising again. Where the family's last product is weight * n(x) the node's
+    # saved operand gives each example's gradient as autograd forms it, a batch-size-1
+    # backward per example; elsewhere (Gemma's (1 + w)) there is none and the record is
+    # used. Under autocast too (the norm is computed in float32, the mul is not cast).
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    norm = norm_cls(6, eps=0.25).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(6))
+    x = torch.randn(3, 4, 6, dtype=dtype)
+    y = norm(x)
+    saved = rule.saved_operand(norm, y.grad_fn)
+    if rule.offset:  # (1 + w) * n(x): no product with the weight itself
+        assert saved is None
+        return
+    assert saved is not None and saved.shape == y.shape
+    g = torch.randn(y.shape, dtype=dtype)
+    got = rule.per_example_from_saved(norm, saved, g, {})["weight"]
+    for i in range(3):  # the oracle: example i's gradient alone, from autograd
+        (want,) = torch.autograd.grad(norm(x[i : i + 1]), norm.weight, g[i : i + 1])
+        # autograd sums the (1, T, d) products in the parameter's dtype; the rule in float32
+        tol = {torch.bfloat16: 2e-2, torch.float32: 1e-6, torch.float64: 1e-12}[dtype]
+        torch.testing.assert_close(got[i].to(dtype), want, rtol=tol, atol=tol)
+    # the same gradients as from the record, within the rounding of n(x) to the model's dtype
+    ref = rule.per_example(norm, x, g)["weight"]
+    tol = {torch.bfloat16: 2e-2, torch.float32: 1e-6, torch.float64: 1e-6}[dtype]
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    # a graph without the weight's own product: no operand
+    assert rule.saved_operand(norm, (y * 2).grad_fn) is None
+    assert rule.saved_operand(norm, (x.requires_grad_() * norm.weight).grad_fn) is None
+
+
 def test_rmsnorm_rule_refuses_a_replaced_forward():
     # the rule repeats the family's shipped forward; a patched one (on the class or the
     # instance) is refused with the patch's name, and a fully_shard unit (a subclass

@@ -120,6 +120,22 @@ class LayerRule(abc.ABC):
         kernels waits for their launches). Default: none written there."""
         return self.per_example(module, a, g)
 
+    def saved_operand(self, module: nn.Module, node) -> Tensor | None:
+        """A tensor that ``node``, the autograd node of the module's output, saved for
+        its backward, from which :meth:`per_example_from_saved` forms the per-example
+        gradients with less work than :meth:`per_example_into` from the record; None
+        (the default): the record is used. Read while the backward runs, just before the
+        node itself reads it (``streaming.Streaming``), so the tensor is the one the
+        node computes the parameter's gradient from, activation checkpointing included."""
+        return None
+
+    def per_example_from_saved(
+        self, module: nn.Module, saved: Tensor, g: Tensor, out: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """:meth:`per_example_into` from :meth:`saved_operand`'s tensor in example rows
+        (b, T, ...) instead of the record."""
+        raise NotImplementedError(f"{type(self).__name__} saves no operand")
+
     def norms_sq(self, module: nn.Module, a: Tensor, g: Tensor, ghost: bool) -> dict[str, Tensor]:
         """{name: (B,) squared per-example gradient norms}. Default: instantiate."""
         return {k: v.flatten(1).pow(2).sum(1) for k, v in self.per_example(module, a, g).items()}
@@ -624,7 +640,35 @@ class RMSNormRule(LayerRule):
         if not _trainable(module.weight):
             return {}
         g = g if g.shape == a.shape else g.reshape(a.shape)
-        prod = g * self.normalised(module, a)  # (B, T, d); a bf16 g promotes
+        return self._summed(g * self.normalised(module, a), out)  # a bf16 g promotes
+
+    def saved_operand(self, module, node):
+        """n(x) as the module's last product, ``weight * n(x)``, saved it for the weight's
+        gradient (every family with offset 0: ``return self.weight * hidden_states``):
+        where ``node`` is that product's (``MulBackward0``) and its first input is the
+        weight itself, its saved second operand is the n(x) autograd multiplies the
+        output gradient by, and the rule need not repeat the normalisation (six kernel
+        launches per norm layer and step on a bf16 record, five under autocast). Any other
+        graph (Gemma's (1 + w), a cast weight, a patched forward): None, the record."""
+        if self.offset or type(node).__name__ != "MulBackward0":
+            return None
+        first = node.next_functions[0][0]
+        weight = module.weight
+        if first is None or getattr(first, "variable", None) is not weight:
+            return None
+        return node._saved_other
+
+    def per_example_from_saved(self, module, saved, g, out):
+        if not _trainable(module.weight):
+            return {}
+        g = g if g.shape == saved.shape else g.reshape(saved.shape)
+        # the product exact in float32, as from the record: a bf16 n(x) is upcast (the
+        # mul's type promotion then upcasts a bf16 g inside the kernel)
+        return self._summed(g * (saved.float() if saved.dtype in LOW_PRECISION else saved), out)
+
+    @staticmethod
+    def _summed(prod: Tensor, out: dict[str, Tensor]) -> dict[str, Tensor]:
+        """sum_t g_t * n(x_t) per example from the product (B, T, d), into its slot if it fits."""
         into = _fits(out.get("weight"), (prod.shape[0], prod.shape[2]), prod.dtype)
         if into is not None:
             return {"weight": torch.sum(prod, 1, out=into)}

@@ -87,6 +87,10 @@ class Streaming:
         per_example: Callable[[], dict[Use, dict[str, Tensor]]],
     ):
         self.streamable = streamable_uses(uses, shared)
+        # those whose rule may read an operand their output's node saved (saved_operand)
+        self._saves = {
+            u for u in self.streamable if type(u.rule).saved_operand is not LayerRule.saved_operand
+        }
         self._ghost = ghost
         self._per_example = per_example
         self._choices: dict[tuple, bool] = {}  # streams' answers by shapes
@@ -221,17 +225,29 @@ class Streaming:
         (in ``slots``, the buffers of all streamed modules)."""
         if g is None:  # this call did not reach the loss
             return
-        a, rows = for_rule(use.rule, *example_rows(use, call.a, g, b))
+        rule, module = use.rule, use.module
+        # An operand the output's node saved, where the rule forms the gradients from it
+        # with less work (an RMSNorm's n(x)); read here, in that node's pre-hook, so it is
+        # the tensor the node is about to use (LayerRule.saved_operand).
+        saved = rule.saved_operand(module, call.edge.node) if use in self._saves else None
+        if saved is not None:
+            saved, rows = example_rows(use, saved, g, b)
+        else:
+            a, rows = for_rule(rule, *example_rows(use, call.a, g, b))
         per_example = self._per_example()
         acc = per_example.get(use)
+        into = {} if acc is not None else slots.destinations(use, rows)
+        if saved is not None:
+            grads = rule.per_example_from_saved(module, saved, rows, into)
+        else:
+            grads = rule.per_example_into(module, a, rows, into)
         if acc is None:
             # the module's first call of this backward: formed in its slots where the rule can
-            grads = use.rule.per_example_into(use.module, a, rows, slots.destinations(use, rows))
             grads = per_example[use] = slots.hold(use, grads)
             if isinstance(per_example, PerExampleGrads):
                 per_example.slots = slots
         else:
-            for k, v in use.rule.per_example(use.module, a, rows).items():
+            for k, v in grads.items():
                 acc[k].add_(v)
         call.a = None  # its last reader: the input goes when autograd frees it
 

@@ -50,6 +50,9 @@ def _lines(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+# about 40 s (two processes start under torchrun); in the default run, two-process
+# equivalence is tests/hf/test_distributed.py's and --nproc's checks are below
+@pytest.mark.slow
 def test_seqrec_on_two_processes_matches_one_process(tmp_path, no_torchrun_env):
     data = _interactions(tmp_path / "inter.csv")
     one = train_seqrec(_cfg(tmp_path, **SEQREC, out=str(tmp_path / "one")))

@@ -17,6 +17,9 @@ from dptrain.recipes.dpformer_experiment import (
 from tests.recipes.test_seqrec import _interactions
 
 
+# about 30 s (12 runs); in the default run the grid machinery is the tiny DP-FP grid's
+# (tests/recipes/test_dpfp_experiment.py) and this experiment's CLI is test_cli_train_and_bad_key
+@pytest.mark.slow
 def test_grid_writes_table_summary_and_plot(tmp_path):
     data = _interactions(tmp_path / "inter.csv")
     cfg = load_experiment_config(

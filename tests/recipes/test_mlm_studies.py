@@ -35,7 +35,12 @@ def _overrides(tmp_path, **kw):
     return [f"{k}={json.dumps(v)}" for k, v in values.items()]
 
 
-@pytest.mark.parametrize("name", STUDIES)
+# The three studies share the grid, the table and the plot; in the default run one of
+# them (weight-decay, the quickest) goes end to end, the others (8-15 s each) with -m slow.
+@pytest.mark.parametrize(
+    "name",
+    [n if n == "weight-decay" else pytest.param(n, marks=pytest.mark.slow) for n in STUDIES],
+)
 def test_study_writes_table_summary_and_plot(tmp_path, name):
     cfg = load_mlm_study_config(None, _overrides(tmp_path))
     summary = run_mlm_study(name, cfg, command=f"test {name}")

@@ -652,9 +652,8 @@ class RMSNormRule(LayerRule):
         graph (Gemma's (1 + w), a cast weight, a patched forward): None, the record."""
         if self.offset or type(node).__name__ != "MulBackward0":
             return None
-        first = node.next_functions[0][0]
-        weight = module.weight
-        if first is None or getattr(first, "variable", None) is not weight:
+        # the first input's node: the weight's accumulator (None, or another node, if not)
+        if getattr(node.next_functions[0][0], "variable", None) is not module.weight:
             return None
         return node._saved_other
 

@@ -231,16 +231,14 @@ class Streaming:
         # the tensor the node is about to use (LayerRule.saved_operand).
         saved = rule.saved_operand(module, call.edge.node) if use in self._saves else None
         if saved is not None:
-            saved, rows = example_rows(use, saved, g, b)
+            x, rows = example_rows(use, saved, g, b)
+            form = rule.per_example_from_saved
         else:
-            a, rows = for_rule(rule, *example_rows(use, call.a, g, b))
+            x, rows = for_rule(rule, *example_rows(use, call.a, g, b))
+            form = rule.per_example_into
         per_example = self._per_example()
         acc = per_example.get(use)
-        into = {} if acc is not None else slots.destinations(use, rows)
-        if saved is not None:
-            grads = rule.per_example_from_saved(module, saved, rows, into)
-        else:
-            grads = rule.per_example_into(module, a, rows, into)
+        grads = form(module, x, rows, {} if acc is not None else slots.destinations(use, rows))
         if acc is None:
             # the module's first call of this backward: formed in its slots where the rule can
             grads = per_example[use] = slots.hold(use, grads)

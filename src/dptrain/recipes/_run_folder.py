@@ -82,8 +82,9 @@ def claim_run_folder(
     """
     folder = Path(out).expanduser()
     target = folder / inside if inside else folder
-    check_run_folder(target, overwrite or not named, setting=setting)  # a file is no folder
-    if overwrite or not holds_files(target):
+    # refuses a file in the folder's place, and a named folder that holds files
+    check_run_folder(target, overwrite or not named, setting=setting)
+    if overwrite or named or not holds_files(target):
         return folder
     fresh = _unused(folder.with_name(f"{folder.name}-{time.strftime('%Y%m%d-%H%M%S')}"))
     print(

@@ -7,6 +7,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip install --quiet -c constraints.txt
+# pytest-xdist workers for `make test`; a test file runs whole in one worker, so its
+# module fixtures are built once (`make test WORKERS=0` runs in this process)
+WORKERS ?= 2
 
 .PHONY: demo test lint bench-accounting clean
 
@@ -31,7 +34,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check src tests benchmarks examples
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
 
 bench-accounting: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_calibration.py

@@ -3,7 +3,7 @@
 On a GPU the host issues the kernels: a step whose host work (Python, dispatch) takes
 longer than the kernels waits for the host ("launch-bound"). This script measures that
 host work on a CPU, where it can be isolated: a tied Llama at SmolLM2-135M's depth
-(30 layers) but hidden 32, vocab 128, B 2, T 16, so that the kernels take microseconds and
+(30 layers) but hidden 32, vocab 128, B 2, T 32, so that the kernels take microseconds and
 the step's wall time is the host's. Non-private (mean loss, ``loss.backward()``, AdamW)
 and dptrain's book-keeping step (per-example losses, ``ClippingEngine.backward``,
 ``DPOptimizer`` with noise) alternate in one process, one torch thread, after 3 warm-up
@@ -11,7 +11,10 @@ steps each (the engine's checks run on the first); medians of the timed steps.
 
 Linear layers are ghost-normed or instantiated as on CUDA (``--as-on cuda``, the default:
 ``_harness.cuda_layer_choices``, as ``launch_count.py`` makes them), since the GPU step is
-the one this proxies.
+the one this proxies. At T 32 the choices are the real workload's (a 135M Llama at T 512):
+every linear layer but the tied head instantiates and streams. At T 16 (``--tokens 16``,
+the proxy's size before 2026-11-28, for comparing with figures taken then) the MLP's 90
+layers were ghost-normed instead, a path the GPU workload does not take.
 
 **Comparing two versions of the engine.** This machine's speed drifts by up to 2x within
 minutes (other tenants), so timings taken in separate runs do not compare. ``--against
@@ -49,7 +52,8 @@ import torch.nn.functional as F
 
 from _harness import cuda_layer_choices
 
-LAYERS, HIDDEN, VOCAB, B, T = 30, 32, 128, 2, 16
+LAYERS, HIDDEN, VOCAB, B = 30, 32, 128, 2
+T = 32  # --tokens
 
 
 def _model(lora: bool) -> torch.nn.Module:
@@ -182,6 +186,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> None:
+    global T  # the model's and the data's size, read by _step
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--amp", choices=("bf16", "off"), default="bf16")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per method")
@@ -189,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         "--only", choices=("nonprivate", "dptrain-bk"), help="one method (for a profiler)"
     )
     parser.add_argument("--workload", choices=("both", "full", "lora"), default="both")
+    parser.add_argument("--tokens", type=int, default=T, help=f"tokens per example (default {T})")
     parser.add_argument(
         "--as-on",
         choices=("cuda", "cpu"),
@@ -201,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     if a.steps < 1:
         parser.error(f"--steps {a.steps} is not allowed: expected an integer >= 1")
+    if a.tokens < 1:
+        parser.error(f"--tokens {a.tokens} is not allowed: expected an integer >= 1")
+    T = a.tokens
     torch.set_num_threads(1)
     methods = {"nonprivate": ("nonprivate", "dptrain"), "dptrain-bk": ("dptrain-bk", "dptrain")}
     if a.only:

@@ -88,3 +88,16 @@ def test_the_total_norm_is_the_norm_of_all_the_tensors_together():
     want = float(torch.cat([p.flatten() for p in parts]).double().norm())
     assert total_norm([p.norm() for p in parts]) == pytest.approx(want, rel=1e-7)
     assert total_norm([]) == 0.0
+
+
+def test_total_norms_read_every_group_at_once_as_total_norm_would():
+    from dptrain.noise import total_norm, total_norms
+
+    gen = torch.Generator().manual_seed(0)
+    a = [torch.randn(5, generator=gen).norm() for _ in range(3)]
+    b = [torch.randn(7, generator=gen).norm()]
+    assert total_norms(a, [], b) == (total_norm(a), 0.0, total_norm(b))
+    want = float(torch.stack(a).double().norm())
+    assert total_norms(a)[0] == pytest.approx(want, rel=1e-12)
+    assert total_norms([], []) == (0.0, 0.0)
+    assert total_norms() == ()

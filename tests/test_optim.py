@@ -336,3 +336,64 @@ def test_generator_keys_name_the_device_index():
     freshly seeded generator would answer to."""
     opt = make(nn.Linear(2, 2))
     assert list(opt.state_dict()["generators"]) == ["cpu"]
+
+
+class _HostReads:
+    """Counts the reads of a tensor's values by the host (item, tolist, float, int, bool,
+    cpu, numpy). On a GPU each one waits for every kernel queued before it."""
+
+    METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *args, _original=original, **kwargs):
+                self.count += 1
+                return _original(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "ghost"])
+@pytest.mark.parametrize("amp", [False, True], ids=["float32", "bf16-autocast"])
+def test_a_steady_private_step_reads_the_device_once(monkeypatch, mode, amp):
+    """Forward, clipped backward and noised step of a tied Llama, after the first step (whose
+    checks read what they compare): the host reads one value more than in the non-private
+    step, the diagnostics' norms (StepMetrics), read together. A read per parameter or
+    per module would stall a GPU's queue hundreds of times a step."""
+    from tests.clipping.hf_zoo import llama, token_losses
+
+    case = llama(tied=True)
+    kwargs, labels = case.make_batch(4, 8, 0)
+    plain = case.model.float()
+    private = copy.deepcopy(plain)
+    engine = ClippingEngine(private, 1.0, mode=mode)
+    opt = make(private)
+    sgd = torch.optim.SGD(plain.parameters(), lr=1.0)
+
+    def autocast():
+        return torch.autocast("cpu", torch.bfloat16, enabled=amp)
+
+    def private_step():
+        opt.zero_grad()
+        with autocast():
+            losses = token_losses(private(**kwargs), labels)
+        engine.backward(losses)
+        opt.step()
+
+    def plain_step():
+        sgd.zero_grad()
+        with autocast():
+            token_losses(plain(**kwargs), labels).mean().backward()
+        sgd.step()
+
+    for _ in range(2):
+        private_step()
+        plain_step()
+    reads = _HostReads(monkeypatch)
+    plain_step()
+    plain_reads = reads.count
+    private_step()
+    assert reads.count - plain_reads == plain_reads + 1

@@ -26,7 +26,14 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _unflatten_dense_tensors
 
-__all__ = ["BLOCK_NUMEL", "add_noise_", "divide_and_publish", "noise_blocks", "total_norm"]
+__all__ = [
+    "BLOCK_NUMEL",
+    "add_noise_",
+    "divide_and_publish",
+    "noise_blocks",
+    "total_norm",
+    "total_norms",
+]
 
 #: Elements per noise block (8M: 32 MB of float32 noise alive beside the sums at a time,
 #: or the largest parameter's size where that is larger).
@@ -118,9 +125,25 @@ def divide_and_publish(params: list[nn.Parameter], sums: list[Tensor], divisor: 
 def total_norm(norms: list[Tensor]) -> float:
     """sqrt(sum of squares) of per-tensor norms (as :func:`add_noise_` returns them), in
     float64, read once (one host sync)."""
-    if not norms:
-        return 0.0
-    device = norms[0].device
-    if any(n.device != device for n in norms):  # a model across devices: gathered on one
-        norms = [n.to(device) for n in norms]
-    return float(torch.linalg.vector_norm(torch.stack(norms).double()))
+    return total_norms(norms)[0]
+
+
+def total_norms(*groups: list[Tensor]) -> tuple[float, ...]:
+    """:func:`total_norm` of each group of per-tensor norms (0.0 for an empty one), all read
+    from the device together: one host sync for all the groups. On a GPU each read waits
+    for every kernel queued before it, and the host then has to issue the next ones with
+    the GPU idle; a private step reads its diagnostics (the clipped sums' norm and the
+    noise's) once."""
+    totals = []
+    for norms in groups:
+        if not norms:
+            continue
+        device = norms[0].device
+        if any(n.device != device for n in norms):  # a model across devices: gathered on one
+            norms = [n.to(device) for n in norms]
+        totals.append(torch.linalg.vector_norm(torch.stack(norms).double()))
+    if not totals:
+        return (0.0,) * len(groups)
+    device = totals[0].device
+    read = iter(torch.stack([t.to(device) for t in totals]).tolist())
+    return tuple(next(read) if norms else 0.0 for norms in groups)

@@ -33,7 +33,7 @@ from dptrain.accounting import PrivacyLedger
 from dptrain.clipping.engine import ClippingEngine, ClipStats
 from dptrain.clipping.precision import LOW_PRECISION, upcast
 from dptrain.generators import canonical_device, restore_generator
-from dptrain.noise import add_noise_, divide_and_publish, total_norm
+from dptrain.noise import add_noise_, divide_and_publish, total_norms
 from dptrain.secure_random import secure_normal
 
 __all__ = ["DPOptimizer", "PrivacyBudgetExhaustedError", "StepMetrics", "noisy_clipped_gradient"]
@@ -251,12 +251,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self._sums.clear()
         if self.engine is not None:
             self.engine.release_sums()  # noised and published: not needed any more
+        signal_norm, noise_norm = total_norms(signal, noise_norms)  # the step's one read
         return StepMetrics(
             step=self.steps_taken,
             sample_rate=self.sample_rate,
             noise_multiplier=self.noise_multiplier,
-            clipped_sum_norm=total_norm(signal) / k,
-            noise_norm=total_norm(noise_norms) / k,
+            clipped_sum_norm=signal_norm / k,
+            noise_norm=noise_norm / k,
         )
 
     def step(self, closure=None, loss_scale: float = 1.0) -> StepMetrics:  # type: ignore[override]

@@ -6,30 +6,20 @@ fails here, on a CPU, before any GPU measures it."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.bench.scripts import load_script
+
 pytest.importorskip("transformers")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def proxies():
-    """The script, loaded by its path (opacus installs a package named ``benchmarks``),
-    with the engine's per-device choices, which it sets as CUDA makes them, restored
-    after the test."""
+    """The script, with the engine's per-device choices, which it sets as CUDA makes
+    them, restored after the test."""
     from dptrain.clipping import rules, streaming
 
-    if str(REPO / "benchmarks") not in sys.path:
-        sys.path.append(str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "cpu_proxies", REPO / "benchmarks" / "cpu_proxies.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("cpu_proxies")
     choices = [rules.HALF_GRAM_DEVICES, rules.SIZE_RULE_DEVICES, streaming.SLOT_DEVICES]
     saved = [set(c) for c in choices]
     yield module

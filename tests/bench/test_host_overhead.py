@@ -4,34 +4,22 @@ revision's engine is a copy of its own, not this checkout's under another name."
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench.scripts import load_script
+
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _load_script():
-    """The script by its path (opacus installs a package named ``benchmarks``), with its
-    folder importable, as when it runs (it imports ``_harness``)."""
-    if str(REPO / "benchmarks") not in sys.path:
-        sys.path.append(str(REPO / "benchmarks"))
-    path = REPO / "benchmarks" / "host_overhead.py"
-    spec = importlib.util.spec_from_file_location("host_overhead", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("host_overhead", module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_another_revision_is_imported_from_its_own_copy():
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode:
         pytest.skip("not a git checkout")
-    script = _load_script()
+    script = load_script("host_overhead")
     name = script._package_at("HEAD")
     engine = importlib.import_module(f"{name}.clipping.engine")
     root = Path(engine.__file__).resolve().parents[2]
@@ -50,7 +38,7 @@ def test_another_revision_is_imported_from_its_own_copy():
 
 
 def test_a_step_count_below_one_is_refused(capsys):
-    script = _load_script()
+    script = load_script("host_overhead")
     with pytest.raises(SystemExit):
         script.main(["--steps", "0"])
     assert "--steps 0 is not allowed" in capsys.readouterr().err

@@ -8,29 +8,17 @@ when a phase the report should name is gone, or when a wrapped name is no longer
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.bench.scripts import load_script
+
 pytest.importorskip("transformers")
 
 
-def _load_script():
-    """The script as a module, by its path: opacus installs a package named ``benchmarks``
-    into site-packages, which shadows this repository's (a folder without __init__.py)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_smollm2.py"
-    spec = importlib.util.spec_from_file_location("profile_smollm2", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("profile_smollm2", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-profile = _load_script()
+profile = load_script("profile_smollm2")
 # main() sets one torch thread, as the profiler measures; the fixture puts the count back
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from _harness import cuda_layer_choices
 
 LAYERS, HIDDEN, VOCAB, B = 30, 32, 128, 2
-T = 32  # --tokens
+T = 32  # default of --tokens
 
 
 def _model(lora: bool) -> torch.nn.Module:
@@ -111,16 +111,17 @@ def _package_at(rev: str) -> str:
     return name
 
 
-def _step(method: str, lora: bool, amp: bool, package: str = "dptrain"):
+def _step(method: str, lora: bool, amp: bool, package: str = "dptrain", tokens: int = T):
     """One training step of ``method`` ("nonprivate" or "dptrain-bk") as three closures:
     forward (-> the loss or per-example losses), backward (loss) and the optimizer step.
-    ``package``: the dptrain to import (``_package_at``: another revision's)."""
+    ``package``: the dptrain to import (``_package_at``: another revision's); ``tokens``
+    per example."""
     ClippingEngine = importlib.import_module(f"{package}.clipping").ClippingEngine
     DPOptimizer = importlib.import_module(f"{package}.optim").DPOptimizer
 
     model = _model(lora)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (B, T + 1), generator=gen)
+    ids = torch.randint(0, VOCAB, (B, tokens + 1), generator=gen)
     x, y = ids[:, :-1], ids[:, 1:]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)  # CUDA's default
@@ -161,11 +162,12 @@ PHASES = ("step", "forward", "backward", "optimizer")
 
 
 def measure(
-    lora: bool, amp: bool, steps: int, methods: dict[str, tuple[str, str]]
+    lora: bool, amp: bool, steps: int, methods: dict[str, tuple[str, str]], tokens: int = T
 ) -> dict[str, dict[str, float]]:
     """Median milliseconds per step of each method and phase (``PHASES``), the methods run
-    round-robin in this process. ``methods``: {label: (method, package)}."""
-    built = {label: _step(m, lora, amp, package) for label, (m, package) in methods.items()}
+    round-robin in this process, ``tokens`` per example. ``methods``: {label: (method,
+    package)}."""
+    built = {label: _step(m, lora, amp, package, tokens) for label, (m, package) in methods.items()}
     for forward, backward, optimizer in built.values():
         for _ in range(3):
             backward(forward())
@@ -186,7 +188,6 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> None:
-    global T  # the model's and the data's size, read by _step
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--amp", choices=("bf16", "off"), default="bf16")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per method")
@@ -209,7 +210,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--steps {a.steps} is not allowed: expected an integer >= 1")
     if a.tokens < 1:
         parser.error(f"--tokens {a.tokens} is not allowed: expected an integer >= 1")
-    T = a.tokens
     torch.set_num_threads(1)
     methods = {"nonprivate": ("nonprivate", "dptrain"), "dptrain-bk": ("dptrain-bk", "dptrain")}
     if a.only:
@@ -224,12 +224,12 @@ def main(argv: list[str] | None = None) -> None:
     labels = [m for m in methods if m != "nonprivate"]
     header = ["phase", "non-private ms", *(c for m in labels for c in (f"{m} ms", "ratio"))]
     print(
-        f"| workload ({LAYERS} layers, hidden {HIDDEN}, B {B}, T {T}, amp {a.amp}, "
+        f"| workload ({LAYERS} layers, hidden {HIDDEN}, B {B}, T {a.tokens}, amp {a.amp}, "
         f"layers as on {a.as_on}) | {' | '.join(header)} |\n"
         f"| --- | --- |{' ---: |' * (len(header) - 1)}"
     )
     for lora in (False, True) if a.workload == "both" else (a.workload == "lora",):
-        ms = measure(lora, a.amp == "bf16", a.steps, methods)
+        ms = measure(lora, a.amp == "bf16", a.steps, methods, a.tokens)
         for phase in PHASES:
             base = ms.get("nonprivate", {}).get(phase)
             cells = [f"{base:.1f}" if base else "-"]

@@ -147,6 +147,57 @@ def test_streamed_gradients_formed_in_their_slots_match_the_oracle(family, monke
     engine.detach()
 
 
+class _Tanhs(nn.Module):
+    """Linear layers with biases between tanhs: at T 16, d 8, every one streams."""
+
+    def __init__(self, layers: int = 3, d: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, d) -> (B, T, d)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_backward_reuses_the_slot_plan_until_what_it_depends_on_changes(monkeypatch):
+    """The slots' layout (streaming.SlotPlan) is made once for a set of streamed modules,
+    b, storage dtypes and trainable parameters: the next backward with the same ones
+    reuses it, one with another b gets a new one, and b again finds its plan kept.
+    Each matches the oracle."""
+    from dptrain.clipping import streaming
+
+    made = []
+    real = streaming.SlotPlan.__init__
+
+    def spy(self, uses, b, stored_as=None):
+        made.append(self)
+        real(self, uses, b, stored_as)
+
+    monkeypatch.setattr(streaming.SlotPlan, "__init__", spy)
+    torch.manual_seed(0)
+    model = _Tanhs().double()
+    x = torch.randn(B, T_STREAM, 8, dtype=torch.float64)
+
+    def losses(rows: slice) -> Tensor:
+        return model(x[rows]).pow(2).mean((1, 2))
+
+    engine = ClippingEngine(model, 1.0, mode="book_keeping")
+    for seed in range(3):  # the checked chunk, then twice the streamed path alone
+        engine.backward(losses(slice(None)) * (1 + seed))
+        model.zero_grad(set_to_none=True)
+    assert set(engine.streamed) == {f"layers.{i}" for i in range(3)}
+    assert len(made) == 1  # one plan for all three
+    assert_engine_matches_oracle(model, losses, B, mode="book_keeping", engine=engine)
+    model.zero_grad(set_to_none=True)
+    engine.backward(losses(slice(0, B - 1)))  # another b
+    model.zero_grad(set_to_none=True)
+    assert len(made) == 2 and made[-1].b == B - 1
+    assert_engine_matches_oracle(model, losses, B, mode="book_keeping", engine=engine)
+    assert len(made) == 2  # b again: its plan was kept (the last few are)
+    engine.detach()
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama-full"])
 def test_slots_in_many_chunks_match_the_oracle_and_keep_one_record_within_c(family, monkeypatch):
     """One slot per chunk (``_CHUNK_BYTES`` 1): the buffers are allocated one by one as the

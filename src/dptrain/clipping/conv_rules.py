@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dptrain.clipping.rules import RULES, LayerRule, _gram_inner, _trainable, weighted_sum
+from dptrain.clipping.rules import RULES, LayerRule, _gram_inner, is_trainable, weighted_sum
 
 __all__ = ["ConvRule", "GroupNormRule", "RawLayoutRule"]
 
@@ -268,11 +268,11 @@ class ConvRule(RawLayoutRule):
 
     def per_example_unfolded(self, module, A, G):
         out = {}
-        if _trainable(module.weight):
+        if is_trainable(module.weight):
             Ag, Gg = self._by_group(module, A, G)
             w = torch.einsum("bgto,bgti->bgoi", Gg, Ag)
             out["weight"] = w.reshape(A.shape[0], *module.weight.shape)
-        if _trainable(module.bias):
+        if is_trainable(module.bias):
             out["bias"] = G.sum(1)
         return out
 
@@ -280,7 +280,7 @@ class ConvRule(RawLayoutRule):
         if not ghost:
             return super().norms_sq_unfolded(module, A, G, ghost)
         out = {}
-        if _trainable(module.weight):
+        if is_trainable(module.weight):
             b = A.shape[0]
             if module.groups == 1:
                 out["weight"] = _gram_inner(A, G)
@@ -288,13 +288,13 @@ class ConvRule(RawLayoutRule):
                 Ag, Gg = self._by_group(module, A, G)
                 inner = _gram_inner(Ag.flatten(0, 1), Gg.flatten(0, 1))
                 out["weight"] = inner.reshape(b, module.groups).sum(1)
-        if _trainable(module.bias):
+        if is_trainable(module.bias):
             out["bias"] = G.sum(1).pow(2).sum(1)
         return out
 
     def clipped_sum_unfolded(self, module, A, G, factors):
         out = {}
-        if _trainable(module.weight):
+        if is_trainable(module.weight):
             Ag, Gg = self._by_group(module, A, G)  # scale the narrower operand
             if Ag.shape[-1] <= Gg.shape[-1]:
                 Ag = _scale_rows(Ag, factors)
@@ -302,7 +302,7 @@ class ConvRule(RawLayoutRule):
                 Gg = _scale_rows(Gg, factors)
             w = torch.einsum("bgto,bgti->goi", Gg, Ag)
             out["weight"] = w.reshape(module.weight.shape)
-        if _trainable(module.bias):
+        if is_trainable(module.bias):
             out["bias"] = torch.einsum("b,bp->p", factors.to(G.dtype), G.sum(1))
         return out
 
@@ -327,7 +327,7 @@ class ConvRule(RawLayoutRule):
             return super().clipped_sum(module, a, g, factors)
         self._check_shapes(module, a, g)
         out = {}
-        if _trainable(module.weight):
+        if is_trainable(module.weight):
             if a.shape[0] == 0:
                 out["weight"] = g.new_zeros(module.weight.shape)
             else:
@@ -347,7 +347,7 @@ class ConvRule(RawLayoutRule):
                     dilation=module.dilation,
                     groups=module.groups,
                 )
-        if _trainable(module.bias):
+        if is_trainable(module.bias):
             out["bias"] = torch.einsum("b,bp->p", factors.to(g.dtype), g.flatten(2).sum(2))
         return out
 
@@ -377,9 +377,9 @@ class GroupNormRule(RawLayoutRule):
 
     def per_example_unfolded(self, module, A, G):
         out = {}
-        if _trainable(module.weight):
+        if is_trainable(module.weight):
             out["weight"] = (G * A).sum(1)
-        if _trainable(module.bias):
+        if is_trainable(module.bias):
             out["bias"] = G.sum(1)
         return out
 

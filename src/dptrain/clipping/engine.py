@@ -81,7 +81,7 @@ from dptrain.clipping.records import (
     tensor_inputs,
 )
 from dptrain.clipping.replay import ReplayRule
-from dptrain.clipping.rules import EmbeddingRule, LayerRule, _param, _trainable, find_rule
+from dptrain.clipping.rules import EmbeddingRule, LayerRule, find_rule, is_trainable, param_of
 from dptrain.clipping.state import (
     StateSnapshot,
     StateWatch,
@@ -289,8 +289,8 @@ class ClippingEngine:
 
         def add(name: str, module: nn.Module, rule: LayerRule) -> None:
             for attr in rule.param_names:
-                p = _param(module, attr)
-                if _trainable(p):
+                p = param_of(module, attr)
+                if is_trainable(p):
                     covered.add(id(p))  # reported below if the module is refused
             why = rule.check(module)
             if why is not None:
@@ -311,7 +311,7 @@ class ClippingEngine:
             claimed = rule.claimed_modules(module)
             in_subtree.update(id(m) for m in claimed)
             if any(p.requires_grad for p in module.parameters(recurse=False)) or (
-                claimed and any(_trainable(_param(module, n)) for n in rule.param_names)
+                claimed and any(is_trainable(param_of(module, n)) for n in rule.param_names)
             ):
                 add(name, module, rule)
         # ... then the generic rule (replay.py) for trainable parameters no rule covers,
@@ -354,8 +354,8 @@ class ClippingEngine:
         names: dict[int, str] = {}
         for use in self._uses.values():
             for attr in use.rule.param_names:
-                p = _param(use.module, attr)
-                if _trainable(p):
+                p = param_of(use.module, attr)
+                if is_trainable(p):
                     by_param[id(p)].append((use, attr))
                     names.setdefault(id(p), f"{use.name}.{attr}" if use.name else attr)
         return {names[k]: v for k, v in by_param.items()}
@@ -1051,7 +1051,7 @@ class ClippingEngine:
         if self._sharding is not None:
             return self._shards[name]
         module, attr = self._groups[name][0]
-        return _param(module.module, attr)
+        return param_of(module.module, attr)
 
 
 class _CheckView:

@@ -21,7 +21,7 @@ from torch.autograd.graph import GradientEdge
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dptrain.clipping.precision import LOW_PRECISION, upcast
-from dptrain.clipping.rules import LayerRule, _param, _trainable
+from dptrain.clipping.rules import LayerRule, is_trainable, param_of
 
 __all__ = [
     "AutocastCopies",
@@ -89,8 +89,8 @@ class Use:
 
 def own_params(use: Use) -> list[nn.Parameter]:
     """The trainable parameters ``use``'s rule covers."""
-    params = (_param(use.module, n) for n in use.rule.param_names)
-    return [p for p in params if _trainable(p)]
+    params = (param_of(use.module, n) for n in use.rule.param_names)
+    return [p for p in params if is_trainable(p)]
 
 
 def example_rows(use: Use, a: Tensor, g: Tensor, b: int) -> tuple[Tensor, Tensor]:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from dptrain.clipping.layout import example_slice
-from dptrain.clipping.rules import RULES, LayerRule, _param, weighted_sum
+from dptrain.clipping.rules import RULES, LayerRule, param_of, weighted_sum
 
 __all__ = ["MultiheadAttentionRule", "ParametrizedRule", "ReplayRule"]
 
@@ -99,7 +99,7 @@ class ReplayRule(LayerRule):
 
         ``calls``: (args, kwargs, g) per recorded call, with g (B, ...) examples first.
         """
-        params = [_param(module, n) for n in self.param_names]
+        params = [param_of(module, n) for n in self.param_names]
         sizes = [p.numel() for p in params]
         out = torch.zeros(b, sum(sizes), dtype=params[0].dtype, device=params[0].device)
         for args, kwargs, g in calls:
@@ -128,7 +128,7 @@ class ReplayRule(LayerRule):
         flat = (a * g).sum(1)  # one row per example, or a unit's examples' rows (units.py)
         out, start = {}, 0
         for name in self.param_names:
-            p = _param(module, name)
+            p = param_of(module, name)
             out[name] = flat[:, start : start + p.numel()].reshape(-1, *p.shape)
             start += p.numel()
         return out

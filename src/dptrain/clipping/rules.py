@@ -58,6 +58,8 @@ __all__ = [
     "find_rule",
     "gram_cache",
     "gram_inner",
+    "is_trainable",
+    "param_of",
     "register_rule",
 ]
 
@@ -339,8 +341,8 @@ class LinearRule(LayerRule):
         tokens = a[0].numel() // max(1, a.shape[-1])
         if module.weight.device.type not in SIZE_RULE_DEVICES:
             return 2 * tokens * tokens < a.shape[-1] * g.shape[-1]
-        per_example = a.shape[-1] * g.shape[-1] if _trainable(module.weight) else 0
-        if _trainable(getattr(module, "bias", None)):
+        per_example = a.shape[-1] * g.shape[-1] if is_trainable(module.weight) else 0
+        if is_trainable(getattr(module, "bias", None)):
             per_example += g.shape[-1]
         return per_example > tokens * (a.shape[-1] + g.shape[-1])
 
@@ -351,7 +353,7 @@ class LinearRule(LayerRule):
         a, g = _flatten_tokens(a), _flatten_tokens(g)
         got = {}
         dtype = product_dtype(a, g)
-        if _trainable(module.weight):
+        if is_trainable(module.weight):
             # (B, p, d), or (B, d, p) stored transposed; bmm: ~4x einsum's speed on CPU
             x, y = (a.transpose(1, 2), g) if self.transposed else (g.transpose(1, 2), a)
             shape = (x.shape[0], x.shape[1], y.shape[2])
@@ -361,7 +363,7 @@ class LinearRule(LayerRule):
                 got["weight"] = torch.bmm(x, y, out=out["weight"])
             else:
                 got["weight"] = bmm_f32(x, y, out=_fits(out.get("weight"), shape, dtype))
-        if _trainable(getattr(module, "bias", None)):
+        if is_trainable(getattr(module, "bias", None)):
             # summed in float32 for a low-precision g (the bias's gradient reads g alone),
             # rounded once where its slot is bf16
             g_dtype = torch.float32 if g.dtype in LOW_PRECISION else g.dtype
@@ -377,23 +379,23 @@ class LinearRule(LayerRule):
             return super().norms_sq(module, a, g, ghost)
         a, g = _flatten_tokens(a), _flatten_tokens(g)
         out = {}
-        if _trainable(module.weight):
+        if is_trainable(module.weight):
             out["weight"] = _gram_inner(a, g)
-        if _trainable(getattr(module, "bias", None)):
+        if is_trainable(getattr(module, "bias", None)):
             out["bias"] = upcast(g).sum(1).pow(2).sum(1)
         return out
 
     def rounding_bound(self, module, a, g):
         # the bias's sum is float32 (no rounding); the weight's rounds a bf16 record's
         # scaled operand in one_gemm_sums (tensor_cores.scaled_cross)
-        if not (_trainable(module.weight) and a.dtype == g.dtype == torch.bfloat16):
+        if not (is_trainable(module.weight) and a.dtype == g.dtype == torch.bfloat16):
             return {}
         return {"weight": rounding_bound(_flatten_tokens(a), _flatten_tokens(g))}
 
     def clipped_sum(self, module, a, g, factors):
         a, g = _flatten_tokens(a), _flatten_tokens(g)
         out = {}
-        if _trainable(module.weight):
+        if is_trainable(module.weight):
             # sum_i c_i g_i^T a_i = g^T (c * a) = (c * g)^T a: scale the operand already
             # scaled for another layer (q, k and v read one input: split once within
             # tensor_cores.split_cache), else the narrower one (for an LM head a is
@@ -411,7 +413,7 @@ class LinearRule(LayerRule):
             else:
                 w = mm_f32(_scale_rows(upcast(g), factors).flatten(0, 1).T, a.flatten(0, 1))
             out["weight"] = w.T if self.transposed else w
-        if _trainable(getattr(module, "bias", None)):
+        if is_trainable(getattr(module, "bias", None)):
             g_sum = upcast(g).sum(1)
             out["bias"] = torch.einsum("b,bp->p", factors.to(g_sum.dtype), g_sum)
         return out
@@ -451,7 +453,7 @@ class EmbeddingRule(LayerRule):
         return g
 
     def per_example(self, module, a, g):
-        if not _trainable(module.weight):
+        if not is_trainable(module.weight):
             return {}
         x, g = a, self.masked(module, a, g)
         b, _, d = g.shape
@@ -460,12 +462,12 @@ class EmbeddingRule(LayerRule):
         return {"weight": out}
 
     def norms_sq(self, module, a, g, ghost):
-        if not _trainable(module.weight):
+        if not is_trainable(module.weight):
             return {}
         return {"weight": embedding_ghost_norm(a, self.masked(module, a, g))}
 
     def clipped_sum(self, module, a, g, factors):
-        if not _trainable(module.weight):
+        if not is_trainable(module.weight):
             return {}
         x, g = a, self.masked(module, a, g)
         scaled = _scale_rows(g, factors).flatten(0, 1)
@@ -483,7 +485,7 @@ class EmbeddingRule(LayerRule):
         # data: the verdict on this parameter no longer depends on how many tokens share a
         # row, or on which kernel autograd ran.
         weight = module.weight
-        if not _trainable(weight) or weight.dtype not in LOW_PRECISION:
+        if not is_trainable(weight) or weight.dtype not in LOW_PRECISION:
             return {}
         x, g = a, self.masked(module, a, g)
         w = weights.to(torch.float32)
@@ -547,9 +549,9 @@ class NormLayerRule(LayerRule):
     def per_example(self, module, a, g):
         g = g.reshape(a.shape)
         out = {}
-        if _trainable(module.weight):
+        if is_trainable(module.weight):
             out["weight"] = (g * self._xhat(module, a)).sum(1).reshape(-1, *module.weight.shape)
-        if _trainable(getattr(module, "bias", None)):
+        if is_trainable(getattr(module, "bias", None)):
             out["bias"] = g.sum(1).reshape(-1, *module.bias.shape)
         return out
 
@@ -637,7 +639,7 @@ class RMSNormRule(LayerRule):
         return self.per_example_into(module, a, g, {})
 
     def per_example_into(self, module, a, g, out):
-        if not _trainable(module.weight):
+        if not is_trainable(module.weight):
             return {}
         g = g if g.shape == a.shape else g.reshape(a.shape)
         return self._summed(g * self.normalised(module, a), out)  # a bf16 g promotes
@@ -658,7 +660,7 @@ class RMSNormRule(LayerRule):
         return node._saved_other
 
     def per_example_from_saved(self, module, saved, g, out):
-        if not _trainable(module.weight):
+        if not is_trainable(module.weight):
             return {}
         g = g if g.shape == saved.shape else g.reshape(saved.shape)
         # the product exact in float32, as from the record: a bf16 n(x) is upcast (the
@@ -697,16 +699,23 @@ def _fits(into: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype | None
     return into
 
 
-def _trainable(p: Tensor | None) -> bool:
-    return isinstance(p, nn.Parameter) and p.requires_grad
+def _is_parameter(p: object) -> bool:
+    # the exact type first: isinstance(p, nn.Parameter) runs nn.Parameter's metaclass
+    # __instancecheck__, Python called several times per module and step
+    return type(p) is nn.Parameter or (p is not None and isinstance(p, nn.Parameter))
 
 
-def _param(module: nn.Module, name: str) -> nn.Parameter | None:
+def is_trainable(p: Tensor | None) -> bool:
+    """Whether ``p`` is a parameter that needs a gradient (one the engine clips)."""
+    return _is_parameter(p) and p.requires_grad
+
+
+def param_of(module: nn.Module, name: str) -> nn.Parameter | None:
     """The parameter ``name`` of ``module`` (a dotted path for a submodule's), or None."""
     # Registered directly (the usual case: several calls per module and step): the
     # dict lookup get_parameter ends in, without its path walk.
     p = module._parameters.get(name)
-    if isinstance(p, nn.Parameter):
+    if _is_parameter(p):
         return p
     try:
         return module.get_parameter(name)

@@ -163,8 +163,8 @@ class _Tanhs(nn.Module):
 def test_a_backward_reuses_the_slot_plan_until_what_it_depends_on_changes(monkeypatch):
     """The slots' layout (streaming.SlotPlan) is made once for a set of streamed modules,
     b, storage dtypes and trainable parameters: the next backward with the same ones
-    reuses it, one with another b gets a new one, and b again finds its plan kept.
-    Each matches the oracle."""
+    reuses it, one with another b gets a new one, b again finds its plan kept, and a
+    parameter frozen since gets a new one without its slot. Each matches the oracle."""
     from dptrain.clipping import streaming
 
     made = []
@@ -195,6 +195,15 @@ def test_a_backward_reuses_the_slot_plan_until_what_it_depends_on_changes(monkey
     assert len(made) == 2 and made[-1].b == B - 1
     assert_engine_matches_oracle(model, losses, B, mode="book_keeping", engine=engine)
     assert len(made) == 2  # b again: its plan was kept (the last few are)
+    model.zero_grad(set_to_none=True)
+    model.layers[1].bias.requires_grad_(False)  # frozen between steps: a new plan
+    engine.backward(losses(slice(None)))
+    model.zero_grad(set_to_none=True)
+    assert len(made) == 3
+    slots = {(u.name, name) for u, name in made[-1].slots}
+    assert ("layers.1", "bias") not in slots and ("layers.1", "weight") in slots
+    assert_engine_matches_oracle(model, losses, B, mode="book_keeping", engine=engine)
+    assert model.layers[1].bias.grad is None
     engine.detach()
 
 

@@ -766,7 +766,10 @@ class ClippingEngine:
             weights = factors if index is None else factors[index.inverse.to(factors.device)]
             # inputs=: only the clipped parameters; one made trainable after the engine was
             # built would get sum_i c_i g_i with c_i computed without it (not clipped).
-            (losses * weights.to(losses.dtype).detach()).sum().backward(inputs=self.parameters())
+            # (a parameter frozen since the engine was built needs no gradient)
+            inputs = [p for p in self.parameters() if p.requires_grad]
+            if inputs:
+                (losses * weights.to(losses.dtype).detach()).sum().backward(inputs=inputs)
         else:
             self._book_keeping(records, factors)
             self.clear()
@@ -818,7 +821,8 @@ class ClippingEngine:
             self._open_unit = {}
         if not losses.requires_grad:
             return
-        names = list(self._groups)
+        # (a parameter frozen since the engine was built needs no gradient)
+        names = [n for n in self._groups if self.graph_parameter(n).requires_grad]
         grads = torch.autograd.grad(
             losses.sum(), [self.graph_parameter(n) for n in names], allow_unused=True
         )
@@ -913,12 +917,16 @@ class ClippingEngine:
         self._store.mark(self.parameters())
 
     def _check_untouched_grads(self) -> None:
-        """Refuse a ``p.grad`` the engine did not write (a plain backward, a stale gradient)."""
-        touched = [
-            name
-            for name in self._groups
-            if (p := self.parameter(name)).grad is not None and not self._store.wrote(p)
-        ]
+        """Refuse a ``p.grad`` the engine did not write (a plain backward, a stale gradient);
+        note the parameters frozen since the engine was built (they get no gradient)."""
+        touched, frozen = [], []
+        for name in self._groups:
+            p = self.parameter(name)
+            if p.grad is not None and not self._store.wrote(p):
+                touched.append(name)
+            if not p.requires_grad:
+                frozen.append(name)
+        self._norms_sums.frozen = frozenset(frozen)
         if self._sharding is not None:  # FSDP's gradient sync is off: a plain backward
             # leaves its unclipped gradient in the unsharded parameters
             touched += [
@@ -1068,8 +1076,11 @@ class _CheckView:
 
     def parameters_of(self, uses) -> list[str]:
         mine = {id(u) for u in uses}
+        frozen = self._engine._norms_sums.frozen  # no gradient to compare
         return [
-            n for n, owners in self._engine._groups.items() if any(id(u) in mine for u, _ in owners)
+            n
+            for n, owners in self._engine._groups.items()
+            if n not in frozen and any(id(u) in mine for u, _ in owners)
         ]
 
     def parameter(self, name: str) -> Tensor:

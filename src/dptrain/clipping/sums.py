@@ -86,6 +86,10 @@ class NormsAndSums:
         self.views: dict[Use, LayerRule] = {}
         """Rules that read this backward's records differently from the module's own (the
         unfolded view of a raw-layout rule)."""
+        self.frozen: frozenset[str] = frozenset()
+        """Parameters frozen (``requires_grad=False``) since the engine was built, set by
+        the engine for each backward: no gradient, so neither a norm nor a sum (the rules
+        form none for them)."""
         # The modules whose every parameter is a tied weight: their norms come from the
         # tied computation alone (phantom clipping), never from their own rule.
         tied = {n for n, uses in groups.items() if is_tied(uses)}
@@ -141,6 +145,8 @@ class NormsAndSums:
                             self._bounds[use] = bound
         out = {}
         for name, uses in self.groups.items():
+            if name in self.frozen:
+                continue
             present = [(u, attr) for u, attr in uses if u in records or u in per_module]
             if not present:
                 continue
@@ -163,7 +169,7 @@ class NormsAndSums:
         if not self._bounds:  # nothing rounds (the default): no walk over the parameters
             return out
         for name, uses in self.groups.items():
-            if len(uses) > 1 and not is_tied(uses):
+            if (len(uses) > 1 and not is_tied(uses)) or name in self.frozen:
                 continue  # summed from per-example gradients in float32: no rounding
             for u, attr in uses:
                 bound = self._bounds.get(u, {}).get(attr)
@@ -241,7 +247,8 @@ class NormsAndSums:
         book-keeping never holds all records and all sums at once.
         """
         pending: dict[Use, int] = defaultdict(int)
-        for uses in self.groups.values():
+        groups = [(n, uses) for n, uses in self.groups.items() if n not in self.frozen]
+        for _, uses in groups:
             for u, _ in uses:
                 if self.recorded(u, records):
                     pending[u] += 1
@@ -249,7 +256,7 @@ class NormsAndSums:
         # tensor, since per-layer clipping may give a module's parameters different ones
         sums: dict[tuple[Use, int], dict[str, Tensor]] = {}
         splits: dict = {}  # the last scaled record split (tensor_cores.split_cache)
-        for name, uses in self.groups.items():
+        for name, uses in groups:
             present = [(u, attr) for u, attr in uses if self.recorded(u, records)]
             if not present:
                 continue

@@ -10,15 +10,22 @@ it reports is its own.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
+import io
 import json
 import os
 import platform
+import re
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -28,6 +35,7 @@ __all__ = [
     "git_description",
     "machine_description",
     "maxrss_mb",
+    "package_at",
     "run_fresh",
 ]
 
@@ -108,3 +116,37 @@ def cuda_layer_choices(package: str = "dptrain") -> None:
     getattr(rules, "HALF_GRAM_DEVICES", set()).discard("cpu")
     getattr(streaming, "SLOT_DEVICES", set()).add("cpu")
     getattr(rules, "SIZE_RULE_DEVICES", set()).add("cpu")
+
+
+def package_at(rev: str) -> str:
+    """Import name of git revision ``rev``'s ``src/dptrain``, copied under a name of its own
+    (its absolute imports of dptrain rewritten to that name) into a temporary directory
+    put on ``sys.path``: two versions of the engine timed in one process, in the same
+    rounds (``host_overhead.py --against``, ``module_host_cost.py --against``)."""
+    repo = Path(__file__).resolve().parents[1]
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    name = f"dptrain_at_{sha}"
+    root = Path(tempfile.mkdtemp(prefix="dptrain_at_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", sha, "src/dptrain"],
+        cwd=repo,
+        capture_output=True,
+        check=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(root, filter="data")
+    (root / "src" / "dptrain").rename(root / name)
+    # dptrain.x, "import dptrain", "from dptrain import"; strings and comments stay
+    pattern = re.compile(r"\bdptrain(?=[.\s])")
+    for py in (root / name).rglob("*.py"):
+        text = py.read_text()
+        lines = [
+            pattern.sub(name, line) if line.lstrip().startswith(("from ", "import ")) else line
+            for line in text.splitlines(keepends=True)
+        ]
+        py.write_text("".join(lines))
+    sys.path.insert(0, str(root))
+    return name

@@ -33,24 +33,15 @@ Where the private step's host time goes: ``py-spy record -f raw`` on
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import importlib
-import io
-import re
-import shutil
 import statistics
-import subprocess
-import sys
-import tarfile
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from _harness import cuda_layer_choices
+from _harness import cuda_layer_choices, package_at
 
 LAYERS, HIDDEN, VOCAB, B = 30, 32, 128, 2
 T = 32  # default of --tokens
@@ -78,43 +69,10 @@ def _model(lora: bool) -> torch.nn.Module:
     return model
 
 
-def _package_at(rev: str) -> str:
-    """Import name of git revision ``rev``'s ``src/dptrain``, copied under a name of its own
-    (its absolute imports of dptrain rewritten to that name) into a temporary directory
-    put on ``sys.path``."""
-    repo = Path(__file__).resolve().parents[1]
-    sha = subprocess.run(
-        ["git", "rev-parse", "--short", rev], cwd=repo, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    name = f"dptrain_at_{sha}"
-    root = Path(tempfile.mkdtemp(prefix="host_overhead_"))
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    archive = subprocess.run(
-        ["git", "archive", "--format=tar", sha, "src/dptrain"],
-        cwd=repo,
-        capture_output=True,
-        check=True,
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(root, filter="data")
-    (root / "src" / "dptrain").rename(root / name)
-    # dptrain.x, "import dptrain", "from dptrain import"; strings and comments stay
-    pattern = re.compile(r"\bdptrain(?=[.\s])")
-    for py in (root / name).rglob("*.py"):
-        text = py.read_text()
-        lines = [
-            pattern.sub(name, line) if line.lstrip().startswith(("from ", "import ")) else line
-            for line in text.splitlines(keepends=True)
-        ]
-        py.write_text("".join(lines))
-    sys.path.insert(0, str(root))
-    return name
-
-
 def _step(method: str, lora: bool, amp: bool, package: str = "dptrain", tokens: int = T):
     """One training step of ``method`` ("nonprivate" or "dptrain-bk") as three closures:
     forward (-> the loss or per-example losses), backward (loss) and the optimizer step.
-    ``package``: the dptrain to import (``_package_at``: another revision's); ``tokens``
+    ``package``: the dptrain to import (``_harness.package_at``: another revision's); ``tokens``
     per example."""
     ClippingEngine = importlib.import_module(f"{package}.clipping").ClippingEngine
     DPOptimizer = importlib.import_module(f"{package}.optim").DPOptimizer
@@ -216,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         methods = {a.only: methods[a.only]}
     packages = ["dptrain"]
     if a.against:
-        packages.append(_package_at(a.against))
+        packages.append(package_at(a.against))
         methods[f"dptrain-bk at {a.against}"] = ("dptrain-bk", packages[-1])
     if a.as_on == "cuda":
         for package in packages:

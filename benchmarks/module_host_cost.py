@@ -56,6 +56,15 @@ class _Tap(torch.autograd.Function):
         return grad, None
 
 
+def _as_computed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype the layer computed with it: autocast's copy (as the engine's
+    records.AutocastCopies keeps), else ``x``."""
+    kind = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+        return x.detach().to(torch.get_autocast_dtype(kind))
+    return x.detach()
+
+
 class HookFloor:
     """The least a private step built on hooks does (``--floor``): a forward hook per
     layer keeps its input and output node; a pre-hook per node forms the layer's
@@ -69,7 +78,7 @@ class HookFloor:
         self.anchor = torch.zeros((), requires_grad=True)
         for layer in model.layers:
             layer.register_forward_hook(
-                lambda m, args, out: self.records.append((args[0], out.grad_fn))
+                lambda m, args, out: self.records.append((_as_computed(args[0]), out.grad_fn))
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +87,8 @@ class HookFloor:
 
     def backward(self, losses: torch.Tensor) -> None:
         b, (layers, d) = losses.shape[0], (len(self.records), self.model.layers[0].in_features)
-        buffer = losses.new_empty(b, layers * d * d)
+        # in the records' dtype (bf16 under autocast, as the engine's bf16 slots)
+        buffer = self.records[0][0].new_empty(b, layers * d * d)
         slots = buffer.view(b, layers, d, d).unbind(1)
 
         def former(a, slot):
@@ -94,10 +104,12 @@ class HookFloor:
         torch.autograd.grad(losses.sum(), [self.anchor], allow_unused=True)  # it gets none
         for h in handles:
             h.remove()
-        factors = (1.0 / buffer.pow(2).sum(1).sqrt()).clamp(max=1.0)
+        low = buffer.dtype in (torch.bfloat16, torch.float16)
+        norms = torch.linalg.vector_norm(buffer, dim=1, dtype=torch.float32 if low else None)
+        factors = (1.0 / norms).clamp(max=1.0).to(buffer.dtype)
         sums = torch.mv(buffer.T, factors).split(d * d)
         for layer, s in zip(self.model.layers, sums, strict=True):
-            layer.weight.grad = s.view(d, d)
+            layer.weight.grad = s.view(d, d).to(layer.weight.dtype)
 
 
 def main(argv: list[str] | None = None) -> None:

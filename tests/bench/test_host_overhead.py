@@ -66,8 +66,9 @@ def test_the_hook_floor_computes_the_engines_clipped_sums():
     engine.detach()
 
 
-def test_module_host_cost_times_the_floor_beside_the_engine(capsys):
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_module_host_cost_times_the_floor_beside_the_engine(amp, capsys):
     script = load_script("module_host_cost")
-    script.main(["--layers", "3", "--steps", "2", "--floor"])
+    script.main(["--layers", "3", "--steps", "2", "--floor", "--amp", amp])
     out = capsys.readouterr().out
     assert "| dptrain-bk |" in out and "| hook floor |" in out

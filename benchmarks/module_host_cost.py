@@ -86,7 +86,8 @@ class HookFloor:
         return self.model(_Tap.apply(x, self.anchor))
 
     def backward(self, losses: torch.Tensor) -> None:
-        b, (layers, d) = losses.shape[0], (len(self.records), self.model.layers[0].in_features)
+        b, layers = losses.shape[0], len(self.records)
+        d = self.model.layers[0].in_features
         # in the records' dtype (bf16 under autocast, as the engine's bf16 slots)
         buffer = self.records[0][0].new_empty(b, layers * d * d)
         slots = buffer.view(b, layers, d, d).unbind(1)

@@ -160,21 +160,11 @@ class _Tanhs(nn.Module):
         return x
 
 
-def test_a_backward_reuses_the_slot_plan_until_what_it_depends_on_changes(monkeypatch):
-    """The slots' layout (streaming.SlotPlan) is made once for a set of streamed modules,
-    b, storage dtypes and trainable parameters: the next backward with the same ones
-    reuses it, one with another b gets a new one, b again finds its plan kept, and a
-    parameter frozen since gets a new one without its slot. Each matches the oracle."""
-    from dptrain.clipping import streaming
-
-    made = []
-    real = streaming.SlotPlan.__init__
-
-    def spy(self, uses, b, stored_as=None):
-        made.append(self)
-        real(self, uses, b, stored_as)
-
-    monkeypatch.setattr(streaming.SlotPlan, "__init__", spy)
+def test_a_streamed_parameter_frozen_between_steps_gets_no_slot_and_no_gradient(monkeypatch):
+    """A bias frozen after two steps of a streamed layer: the next backward lays out no
+    slot for it, gives it no gradient and matches the oracle over what still trains."""
+    held = []
+    _spy_on_slots(monkeypatch, "hold", lambda slots, use, grads: held.append(slots))
     torch.manual_seed(0)
     model = _Tanhs().double()
     x = torch.randn(B, T_STREAM, 8, dtype=torch.float64)
@@ -183,24 +173,15 @@ def test_a_backward_reuses_the_slot_plan_until_what_it_depends_on_changes(monkey
         return model(x[rows]).pow(2).mean((1, 2))
 
     engine = ClippingEngine(model, 1.0, mode="book_keeping")
-    for seed in range(3):  # the checked chunk, then twice the streamed path alone
+    for seed in range(2):  # the checked chunk, then the streamed path alone
         engine.backward(losses(slice(None)) * (1 + seed))
         model.zero_grad(set_to_none=True)
     assert set(engine.streamed) == {f"layers.{i}" for i in range(3)}
-    assert len(made) == 1  # one plan for all three
-    assert_engine_matches_oracle(model, losses, B, mode="book_keeping", engine=engine)
-    model.zero_grad(set_to_none=True)
-    engine.backward(losses(slice(0, B - 1)))  # another b
-    model.zero_grad(set_to_none=True)
-    assert len(made) == 2 and made[-1].b == B - 1
-    assert_engine_matches_oracle(model, losses, B, mode="book_keeping", engine=engine)
-    assert len(made) == 2  # b again: its plan was kept (the last few are)
-    model.zero_grad(set_to_none=True)
-    model.layers[1].bias.requires_grad_(False)  # frozen between steps: a new plan
+    model.layers[1].bias.requires_grad_(False)
+    held.clear()
     engine.backward(losses(slice(None)))
     model.zero_grad(set_to_none=True)
-    assert len(made) == 3
-    slots = {(u.name, name) for u, name in made[-1].slots}
+    slots = {(u.name, name) for u, name in held[-1].slots}
     assert ("layers.1", "bias") not in slots and ("layers.1", "weight") in slots
     assert_engine_matches_oracle(model, losses, B, mode="book_keeping", engine=engine)
     assert model.layers[1].bias.grad is None

@@ -33,7 +33,7 @@ from dptrain.clipping.records import (
 from dptrain.clipping.rules import LayerRule, is_trainable, param_of
 from dptrain.clipping.tensor_cores import mm_f32, round_down_bf16, tensor_cores
 
-__all__ = ["PerExampleGrads", "SlotPlan", "Slots", "Streaming", "streamable_uses"]
+__all__ = ["PerExampleGrads", "Slots", "Streaming", "streamable_uses"]
 
 #: At most this many entries (b x slot size x slots) per run of equal-sized slots
 #: (Slots): the temporary of a run's squared norms, 16 MB in float32.
@@ -45,8 +45,6 @@ _CHUNK_BYTES = 32 << 20
 #: ... and a storage dtype's slots are cut into at most this many chunks: the step's peak
 #: can hold one chunk more than the backward has reached, 1/32 of the slots.
 _CHUNKS = 32
-#: Slot layouts a Streaming keeps for reuse (Streaming.plan), the most recently used.
-_PLANS = 8
 
 
 def streamable_uses(uses: list[Use], shared: set[int]) -> set[Use]:
@@ -99,20 +97,6 @@ class Streaming:
         # A leaf per device that inputs needing no gradient of streamable modules are tied
         # to (Tap): requested in the backward, it makes autograd run their nodes.
         self._anchors: dict[torch.device, Tensor] = {}
-        self._plans: dict[tuple, SlotPlan] = {}  # the last few, by SlotPlan.key
-
-    def plan(self, uses: list[Use], b: int, stored_as: dict[Use, torch.dtype]) -> SlotPlan:
-        """The slots' layout for these streamed modules: the one an earlier backward made
-        for the same key, else a new one (the last :data:`_PLANS` are kept: Poisson
-        sampling's batch sizes vary from step to step)."""
-        key = SlotPlan.key(uses, b, stored_as)
-        plan = self._plans.pop(key, None)
-        if plan is None:
-            plan = SlotPlan(uses, b, stored_as)
-            while len(self._plans) >= _PLANS:
-                del self._plans[next(iter(self._plans))]  # the least recently used
-        self._plans[key] = plan
-        return plan
 
     def tap(self, use: Use, recording: Callable[[], bool]):
         """A forward pre-hook that ties the module's input to the anchor where the input
@@ -202,9 +186,11 @@ class Streaming:
         for u, c in calls:
             if u in streamed:
                 by_node.setdefault(id(c.edge.node), (c.edge.node, []))[1].append((u, c))
-        uses = [u for u in dict.fromkeys(u for u, _ in calls) if u in streamed]
-        stored_as = _stored_as(calls, streamed)
-        slots = Slots(uses, b, stored_as, plan=self.plan(uses, b, stored_as))
+        slots = Slots(
+            [u for u in dict.fromkeys(u for u, _ in calls) if u in streamed],
+            b,
+            stored_as=_stored_as(calls, streamed),
+        )
         fired: set[Call] = set()
         per_example = self._per_example()
         if by_node and isinstance(per_example, PerExampleGrads):
@@ -288,93 +274,6 @@ def _stored_as(calls: list[tuple[Use, Call]], streamed: set[Use]) -> dict[Use, t
 SLOT_DEVICES: set[str] = {"cuda"}
 
 
-class SlotPlan:
-    """Where :class:`Slots` put each streamed parameter's per-example gradients: the
-    chunks, their runs of equal-sized slots and each slot's columns. It follows from the
-    streamed modules (in forward order), the batch size, the storage dtypes and which of
-    their parameters are trainable (:meth:`key`), so a backward with the same ones reuses
-    the last one's plan (:meth:`Streaming.plan`) and allocates only the buffers."""
-
-    def __init__(self, uses: list[Use], b: int, stored_as: dict[Use, torch.dtype] | None = None):
-        self.b = b
-        stored_as = stored_as or {}
-        sizes: dict[tuple[Use, str], int] = {}
-        # each slot's per-example shape, for a rule to form its gradients in (destinations)
-        self.shapes: dict[tuple[Use, str], tuple[int, ...]] = {}
-        kind: dict[tuple[Use, str], torch.dtype | None] = {}  # None: as the rule forms them
-        for use in reversed(uses):  # ``uses`` in forward order; the backward fills the last first
-            for name in use.rule.param_names:
-                p = param_of(use.module, name)
-                if is_trainable(p):
-                    sizes[(use, name)] = p.numel()
-                    self.shapes[(use, name)] = (b, *p.shape)
-                    kind[(use, name)] = stored_as.get(use)
-        self.runs: list[tuple[list[tuple[Use, str]], int]] = []
-        # per chunk: its storage dtype (None: the first gradient's) and its runs (indices
-        # into runs) in the buffer's column order
-        self.chunks: list[tuple[torch.dtype | None, list[int]]] = []
-        for dtype in dict.fromkeys(kind.values()):
-            keys = [key for key in sizes if kind[key] == dtype]
-            item = 2 if dtype in LOW_PRECISION else 4  # a rule's own dtype: float32 at most
-            limit = max(_CHUNK_BYTES, -(-b * item * sum(sizes[k] for k in keys) // _CHUNKS))
-            chunk: list[tuple[Use, str]] = []
-            held = 0  # the open chunk's bytes
-            for key in keys:
-                chunk.append(key)
-                held += b * item * sizes[key]
-                if held >= limit:
-                    self._add_chunk(dtype, chunk, sizes)
-                    chunk, held = [], 0
-            if chunk:
-                self._add_chunk(dtype, chunk, sizes)
-        self.slots: dict[tuple[Use, str], int] = {  # columns
-            key: n for keys, n in self.runs for key in keys
-        }
-        self.chunk_of = {
-            key: i
-            for i, (_, runs) in enumerate(self.chunks)
-            for r in runs
-            for key in self.runs[r][0]
-        }
-
-    def _add_chunk(self, dtype, keys: list[tuple[Use, str]], sizes: dict) -> None:
-        # Equal-sized slots side by side, in runs of at most _NORM_RUN entries: a run's
-        # squared norms are one reduction over its (b, n, size) view, where a pow and a
-        # sum per slot made 50 of the 1,550 aten ops of a Llama step (full fine-tuning,
-        # docs/engine_benchmark.md). The run bounds that reduction's temporary.
-        by_size: dict[int, list[tuple[Use, str]]] = {}
-        for key in keys:
-            by_size.setdefault(sizes[key], []).append(key)
-        runs = []
-        for n, same in by_size.items():
-            per_run = max(1, _NORM_RUN // max(1, self.b * n))
-            for i in range(0, len(same), per_run):
-                runs.append(len(self.runs))
-                self.runs.append((same[i : i + per_run], n))
-        self.chunks.append((dtype, runs))
-
-    @staticmethod
-    def key(uses: list[Use], b: int, stored_as: dict[Use, torch.dtype]) -> tuple:
-        """What the plan depends on: the modules, b, each one's storage dtype and the
-        shape of each trainable parameter (None for one that is not)."""
-        return (
-            b,
-            tuple(
-                (
-                    u,
-                    stored_as.get(u),
-                    tuple(_trainable_shape(u.module, n) for n in u.rule.param_names),
-                )
-                for u in uses
-            ),
-        )
-
-
-def _trainable_shape(module: torch.nn.Module, name: str) -> tuple[int, ...] | None:
-    p = param_of(module, name)
-    return tuple(p.shape) if is_trainable(p) else None
-
-
 class Slots:
     """Buffers for the per-example gradients of every streamed module of a backward: a few
     large tensors, each allocated as the backward reaches its first module.
@@ -413,18 +312,47 @@ class Slots:
     float32 (:func:`_weighted_columns`).
     """
 
-    def __init__(
-        self,
-        uses: list[Use],
-        b: int,
-        stored_as: dict[Use, torch.dtype] | None = None,
-        plan: SlotPlan | None = None,
-    ):
-        """``plan``: the layout for (``uses``, ``b``, ``stored_as``), made here if None."""
-        plan = plan if plan is not None else SlotPlan(uses, b, stored_as)
-        self.b = plan.b
-        self.shapes, self.runs, self.slots = plan.shapes, plan.runs, plan.slots
-        self._chunks, self._chunk_of = plan.chunks, plan.chunk_of
+    def __init__(self, uses: list[Use], b: int, stored_as: dict[Use, torch.dtype] | None = None):
+        self.b = b
+        stored_as = stored_as or {}
+        sizes: dict[tuple[Use, str], int] = {}
+        # each slot's per-example shape, for a rule to form its gradients in (destinations)
+        self.shapes: dict[tuple[Use, str], tuple[int, ...]] = {}
+        kind: dict[tuple[Use, str], torch.dtype | None] = {}  # None: as the rule forms them
+        for use in reversed(uses):  # ``uses`` in forward order; the backward fills the last first
+            for name in use.rule.param_names:
+                p = param_of(use.module, name)
+                if is_trainable(p):
+                    sizes[(use, name)] = p.numel()
+                    self.shapes[(use, name)] = (b, *p.shape)
+                    kind[(use, name)] = stored_as.get(use)
+        self.runs: list[tuple[list[tuple[Use, str]], int]] = []
+        # per chunk: its storage dtype (None: the first gradient's) and its runs (indices
+        # into runs) in the buffer's column order
+        self._chunks: list[tuple[torch.dtype | None, list[int]]] = []
+        for dtype in dict.fromkeys(kind.values()):
+            keys = [key for key in sizes if kind[key] == dtype]
+            item = 2 if dtype in LOW_PRECISION else 4  # a rule's own dtype: float32 at most
+            limit = max(_CHUNK_BYTES, -(-b * item * sum(sizes[k] for k in keys) // _CHUNKS))
+            chunk: list[tuple[Use, str]] = []
+            held = 0  # the open chunk's bytes
+            for key in keys:
+                chunk.append(key)
+                held += b * item * sizes[key]
+                if held >= limit:
+                    self._add_chunk(dtype, chunk, sizes)
+                    chunk, held = [], 0
+            if chunk:
+                self._add_chunk(dtype, chunk, sizes)
+        self.slots: dict[tuple[Use, str], int] = {  # columns
+            key: n for keys, n in self.runs for key in keys
+        }
+        self._chunk_of = {
+            key: i
+            for i, (_, runs) in enumerate(self._chunks)
+            for r in runs
+            for key in self.runs[r][0]
+        }
         self.buffers: list[Tensor | None] = [None] * len(self._chunks)  # allocated when reached
         self.blocks: dict[tuple[Use, str], Tensor] = {}
         self._run_views: list[Tensor | None] = [None] * len(self.runs)  # (b, n, size)
@@ -433,6 +361,22 @@ class Slots:
         self.views: dict[tuple[Use, str], Tensor] = {}
         # the slot views offered to a rule to form its gradients in (destinations)
         self.offered: dict[tuple[Use, str], Tensor] = {}
+
+    def _add_chunk(self, dtype, keys: list[tuple[Use, str]], sizes: dict) -> None:
+        # Equal-sized slots side by side, in runs of at most _NORM_RUN entries: a run's
+        # squared norms are one reduction over its (b, n, size) view, where a pow and a
+        # sum per slot made 50 of the 1,550 aten ops of a Llama step (full fine-tuning,
+        # docs/engine_benchmark.md). The run bounds that reduction's temporary.
+        by_size: dict[int, list[tuple[Use, str]]] = {}
+        for key in keys:
+            by_size.setdefault(sizes[key], []).append(key)
+        runs = []
+        for n, same in by_size.items():
+            per_run = max(1, _NORM_RUN // max(1, self.b * n))
+            for i in range(0, len(same), per_run):
+                runs.append(len(self.runs))
+                self.runs.append((same[i : i + per_run], n))
+        self._chunks.append((dtype, runs))
 
     def destinations(self, use: Use, like: Tensor) -> dict[str, Tensor]:
         """{name: ``use``'s slot, shaped (b, *param.shape)} for a rule to form its

@@ -117,6 +117,11 @@ class NormsAndSums:
             return self.norm_method == "ghost"
         return rule.ghost_is_cheaper(use.module, a, g)
 
+    def _trained_groups(self) -> list[tuple[str, list[tuple[Use, str]]]]:
+        """(name, uses) of the parameters that take a gradient in this backward: all but
+        those frozen since the engine was built (:attr:`frozen`)."""
+        return [(n, uses) for n, uses in self.groups.items() if n not in self.frozen]
+
     def recorded(self, use: Use, records: Records) -> bool:
         """Whether ``use`` has this backward's record or its per-example gradients."""
         return use in records or use in self.per_example
@@ -144,9 +149,7 @@ class NormsAndSums:
                         if bound:
                             self._bounds[use] = bound
         out = {}
-        for name, uses in self.groups.items():
-            if name in self.frozen:
-                continue
+        for name, uses in self._trained_groups():
             present = [(u, attr) for u, attr in uses if u in records or u in per_module]
             if not present:
                 continue
@@ -168,8 +171,8 @@ class NormsAndSums:
         out: dict[str, Tensor] = {}
         if not self._bounds:  # nothing rounds (the default): no walk over the parameters
             return out
-        for name, uses in self.groups.items():
-            if (len(uses) > 1 and not is_tied(uses)) or name in self.frozen:
+        for name, uses in self._trained_groups():
+            if len(uses) > 1 and not is_tied(uses):
                 continue  # summed from per-example gradients in float32: no rounding
             for u, attr in uses:
                 bound = self._bounds.get(u, {}).get(attr)
@@ -247,7 +250,7 @@ class NormsAndSums:
         book-keeping never holds all records and all sums at once.
         """
         pending: dict[Use, int] = defaultdict(int)
-        groups = [(n, uses) for n, uses in self.groups.items() if n not in self.frozen]
+        groups = self._trained_groups()
         for _, uses in groups:
             for u, _ in uses:
                 if self.recorded(u, records):
